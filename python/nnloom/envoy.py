@@ -1,0 +1,195 @@
+"""Envoy: the proxy tree over a wrapped ``torch.nn.Module``.
+
+``NNsight(module)`` installs nnloom's forward wrappers on every submodule once
+(``nnloom._C.Tree``) and mirrors the module tree with Envoys: attribute access
+and indexing walk the tree (``model.transformer.h[0].mlp``), each Envoy has a
+dotted path (``model.transformer.h.0.mlp``), and ``.output`` / ``.input`` /
+``.inputs`` read (and assign) the live values inside a trace. Anything that is
+not a child module is read from the module itself (``model.config``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from . import _C
+from .batching import Batcher, plan_batch
+from .tracing import Tracer
+
+__all__ = ["Envoy", "NNsight"]
+
+_OUT, _INS, _IN = 0, 1, 2
+_request = _C.request
+_assign = _C.assign
+
+
+class Envoy:
+    """Proxy for one module of a wrapped model."""
+
+    def __init__(self, module: torch.nn.Module, path: str, tree, index: int, children: dict):
+        d = self.__dict__
+        d["_module"] = module
+        d["_path"] = path
+        d["_tree"] = tree
+        d["_index"] = index
+        d["_children"] = children
+
+    # -- the live values (inside a trace) ------------------------------------
+
+    @property
+    def output(self) -> Any:
+        """The module's output for this invoke (a view of the live batch)."""
+        return _request(self._tree, self._index, _OUT)
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        _assign(self._tree, self._index, _OUT, value)
+
+    @property
+    def input(self) -> Any:
+        """The module's first positional argument (else its first keyword argument)."""
+        return _request(self._tree, self._index, _IN)
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        _assign(self._tree, self._index, _IN, value)
+
+    @property
+    def inputs(self) -> tuple:
+        """``(args, kwargs)`` the module is called with."""
+        return _request(self._tree, self._index, _INS)
+
+    @inputs.setter
+    def inputs(self, value: tuple) -> None:
+        _assign(self._tree, self._index, _INS, value)
+
+    def skip(self, value: Any) -> None:
+        """Do not run this module in the forward; ``value`` is its output."""
+        _C.skip(self._tree, self._index, value)
+
+    # -- the tree ----------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def __getattr__(self, name: str) -> Any:
+        child = self.__dict__["_children"].get(name)
+        if child is not None:
+            self.__dict__[name] = child  # next lookup is a plain attribute hit
+            return child
+        return getattr(self.__dict__["_module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property):
+            prop.__set__(self, value)
+        else:
+            setattr(self._module, name, value)
+
+    def __getitem__(self, key):
+        children = self._children
+        if isinstance(key, int):
+            n = len(children)
+            if key < 0:
+                key += n
+            child = children.get(str(key))
+            if child is None:
+                raise IndexError(f"{self._path} has no child {key}")
+            return child
+        if isinstance(key, str) and key in children:
+            return children[key]
+        return self._module[key]
+
+    def __iter__(self) -> Iterator["Envoy"]:
+        return iter(self._children.values())
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __call__(self, *args, **kwargs):
+        """Run the module directly (inside a trace: without interleaving)."""
+        return self._module(*args, **kwargs)
+
+    def modules(self) -> Iterator["Envoy"]:
+        yield self
+        for c in self._children.values():
+            yield from c.modules()
+
+    def __repr__(self) -> str:
+        return repr(self._module)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._children) | set(dir(self._module)))
+
+
+class NNsight(Envoy):
+    """Wrap any ``torch.nn.Module`` for tracing.
+
+    ``batcher`` tells how to combine several invokes' inputs into one batch
+    (see :class:`nnloom.Batcher`); without one, a trace may have a single
+    input invoke (plus empty invokes).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, batcher: Batcher | None = None,
+                 root: str = "model"):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"NNsight wraps a torch.nn.Module, not {type(module).__name__}")
+        named = list(module.named_modules())
+        paths = [root if not n else f"{root}.{n}" for n, _ in named]
+        mods = [m for _, m in named]
+        tree = _C.Tree(mods, paths)
+        envoys: dict = {}
+        # children first: build bottom-up by path
+        by_path = {}
+        for i in range(len(mods) - 1, -1, -1):
+            m, p = mods[i], paths[i]
+            kids = {}
+            for name, child in m.named_children():
+                cp = f"{p}.{name}"
+                if cp in by_path:
+                    kids[name] = by_path[cp]
+            if i == 0:
+                break
+            by_path[p] = Envoy(m, p, tree, i, kids)
+        root_kids = {}
+        for name, _ in module.named_children():
+            cp = f"{root}.{name}"
+            if cp in by_path:
+                root_kids[name] = by_path[cp]
+        super().__init__(module, root, tree, 0, root_kids)
+        d = self.__dict__
+        d["_batcher"] = batcher
+        d["_finalizer"] = weakref.finalize(self, tree.uninstall)
+        del envoys
+
+    # -- tracing -----------------------------------------------------------------
+
+    def trace(self, *args, trace: bool = True, **kwargs):
+        """``with model.trace(input) as tracer:`` - see :class:`nnloom.Tracer`.
+
+        ``trace=False`` runs the model plainly and returns its output.
+        """
+        if not trace:
+            return self._module(*args, **kwargs)
+        return Tracer(self, args, kwargs)
+
+    def _run_interleaved(self, bodies: list):
+        """Run the bodies [(code, ns, args, kwargs)] with one batched forward."""
+        plan = plan_batch(self._batcher, [(a, k) for _, _, a, k in bodies])
+        il = _C.Interleaver(self._tree, self._tree.paths, plan.batch_size)
+        for i, (code, ns, _, _) in enumerate(bodies):
+            start, size = plan.rows[i]
+            il.add(code, ns, start, size, f"invoke {i}")
+        return il.run(self._module, plan.args, plan.kwargs)
+
+    def unwrap(self) -> torch.nn.Module:
+        """Remove nnloom from the module, leaving it exactly as it was."""
+        self._finalizer()
+        return self._module
+
+    def __repr__(self) -> str:
+        return repr(self._module)

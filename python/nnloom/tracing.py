@@ -1,0 +1,296 @@
+"""Tracer and Invoker: the ``with`` blocks of nnloom.
+
+``with model.trace(x) as tracer:`` captures its body (see ``_capture``), keeps
+it from running inline (a one-shot trace function raises at the body's first
+line, and ``__exit__`` swallows that), then runs it through the C scheduler
+interleaved with one forward pass, and finally writes the saved values back
+into the caller's frame.
+
+The Python here runs once per trace, never per module call: everything per
+module call or per tensor is in ``nnloom._C``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Any
+
+from . import _C
+from ._capture import SourceError, capture
+
+__all__ = ["Tracer", "Invoker", "SourceError"]
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_DEBUG = os.environ.get("NNLOOM_DEBUG", "") not in ("", "0")
+_CO_OPTIMIZED = 0x0001
+
+
+class _Skip(Exception):
+    """Raised by the trace function at a body's first line; never escapes."""
+
+
+def _noop_trace(frame, event, arg):
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Skipping a body
+# ---------------------------------------------------------------------------
+
+
+class _Skipper:
+    """Arms a per-frame trace function that stops the body before its first
+    line runs, and restores whatever tracing (debugger, coverage) was there."""
+
+    __slots__ = ("frame", "prev_global", "prev_local", "first_line", "armed")
+
+    def __init__(self, frame, first_line):
+        self.frame = frame
+        self.first_line = first_line
+        self.armed = False
+        self.prev_global = None
+        self.prev_local = None
+
+    def __call__(self, frame, event, arg):
+        if event == "line" and frame.f_lineno >= self.first_line:
+            raise _Skip
+        return self
+
+    def arm(self):
+        self.prev_global = sys.gettrace()
+        self.prev_local = self.frame.f_trace
+        sys.settrace(_noop_trace if self.prev_global is None else self.prev_global)
+        self.frame.f_trace = self
+        self.armed = True
+
+    def disarm(self):
+        if not self.armed:
+            return
+        self.armed = False
+        self.frame.f_trace = self.prev_local
+        sys.settrace(self.prev_global)
+        self.prev_global = self.prev_local = None
+
+
+def _push(frame, values: dict) -> None:
+    """Bind `values` in `frame` (a function, module, class or body frame)."""
+    if not values:
+        return
+    if frame.f_code.co_flags & _CO_OPTIMIZED:
+        _C.frame_set(frame, values)
+    else:
+        frame.f_locals.update(values)
+
+
+def _is_internal(code) -> bool:
+    return code.co_filename.startswith(_PKG_DIR)
+
+
+def _rebuild_tb(entries):
+    tb = None
+    for t in reversed(entries):
+        tb = types.TracebackType(tb, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return tb
+
+
+# ---------------------------------------------------------------------------
+# Invoker
+# ---------------------------------------------------------------------------
+
+
+class Invoker(_C.ExitBase):
+    """``with tracer.invoke(input):`` - one prompt group, one mediator."""
+
+    def __init__(self, tracer: "Tracer", args: tuple, kwargs: dict):
+        self.tracer = tracer
+        self.args = args
+        self.kwargs = kwargs
+        self.site = None
+        self.ns = None
+        self._skipper = None
+
+    def __enter__(self):
+        tr = self.tracer
+        if tr._state != "collecting":
+            if tr._state == "running":
+                raise ValueError("cannot invoke while the model runs: tracer.invoke(...) blocks "
+                                 "belong at the top level of the trace body")
+            raise ValueError("tracer.invoke(...) is only valid inside its trace's body")
+        frame = sys._getframe(1)
+        self.site = capture(frame, "invoke")
+        self._frame = frame
+        self._skipper = None
+        if not self.site.trivial:
+            self._skipper = _Skipper(frame, self.site.first_line)
+            self._skipper.arm()
+        return self
+
+    def _exit(self, et, ev, tb):
+        if self._skipper is not None:
+            self._skipper.disarm()
+            self._skipper = None
+        frame, self._frame = self._frame, None
+        if et is not None and not issubclass(et, _Skip):
+            return False
+        # the invoke sees the names bound so far: objects shared, bindings its own
+        ns = dict(frame.f_globals) if frame.f_globals is not frame.f_locals else {}
+        ns.update(frame.f_locals)
+        self.ns = ns
+        self.tracer._invokes.append(self)
+        return True
+
+    def _user_traceback(self, exc):
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Tracer
+# ---------------------------------------------------------------------------
+
+
+class Tracer(_C.ExitBase):
+    """``with model.trace(*inputs, **kwargs) as tracer:``
+
+    The body runs interleaved with one forward pass of the wrapped model. Give
+    the input here (one implicit invoke) or in ``tracer.invoke(...)`` blocks.
+    """
+
+    def __init__(self, model, args: tuple, kwargs: dict):
+        self.model = model
+        self._args = args
+        self._kwargs = kwargs
+        self._invokes: list = []
+        self._state = "new"
+        self._frame = None
+        self._site = None
+        self._skipper = None
+        self._codes: tuple = ()
+        self.output = None  # the forward's return value, after the trace
+
+    # -- the with protocol ---------------------------------------------------
+
+    def __enter__(self):
+        if self._state != "new":
+            raise RuntimeError("a Tracer can be entered only once; call model.trace(...) again")
+        frame = sys._getframe(1)
+        site = capture(frame, "trace")
+        if not self._args and not self._kwargs and not site.has_invokes:
+            raise ValueError(
+                "trace() needs an input, or at least one `with tracer.invoke(...)` block"
+            )
+        self._frame = frame
+        self._site = site
+        self._state = "entered"
+        if not site.trivial:
+            self._skipper = _Skipper(frame, site.first_line)
+            self._skipper.arm()
+        return self
+
+    def _exit(self, et, ev, tb):
+        if self._skipper is not None:
+            self._skipper.disarm()
+            self._skipper = None
+        if et is not None and not issubclass(et, _Skip):
+            self._reset()
+            return False
+        try:
+            self._execute()
+        finally:
+            self._reset()
+        return True
+
+    def _reset(self):
+        self._frame = None
+        self._invokes = []
+        self._state = "done"
+
+    # -- running ---------------------------------------------------------------
+
+    def _execute(self):
+        site, frame = self._site, self._frame
+        nested = _C.scope_depth() > 0
+        ns = dict(frame.f_globals) if frame.f_globals is not frame.f_locals else {}
+        ns.update(frame.f_locals)
+        saved: dict = {}
+        codes = [site.code]
+        _C.scope_enter(saved)
+        try:
+            if site.has_invokes:
+                self._state = "collecting"
+                exec(site.code, ns)
+                invokes = self._invokes
+                if self._args or self._kwargs:
+                    raise ValueError("give the input either to trace(...) or to "
+                                     "tracer.invoke(...) blocks, not both")
+                if not invokes:
+                    raise ValueError(
+                        "trace() needs an input, or at least one `with tracer.invoke(...)` block"
+                    )
+                bodies = [(inv.site.code, inv.ns, inv.args, inv.kwargs) for inv in invokes]
+                codes += [inv.site.code for inv in invokes]
+            else:
+                bodies = [(site.code, ns, self._args, self._kwargs)]
+            self._codes = tuple(codes)
+            self._state = "running"
+            self.output = self.model._run_interleaved(bodies)
+        except _C.StopTrace:
+            pass  # stop() before any invoke: nothing ran
+        finally:
+            _C.scope_exit(saved)
+            self._state = "done"
+
+        # write back: saved names only (all names when nested in another trace)
+        out: dict = {}
+        scopes = [(ns, site.stores)]
+        if site.has_invokes:
+            scopes += [(inv.ns, inv.site.stores) for inv in self._invokes]
+        for scope_ns, stores in scopes:
+            for name in stores:
+                if name in scope_ns:
+                    v = scope_ns[name]
+                    if nested or saved.get(id(v)) is v:
+                        out[name] = v
+        if nested:
+            for v in saved.values():
+                _C.save(v)
+        _push(frame, out)
+        for inv in self._invokes:
+            inv.ns = None
+
+    # -- user API --------------------------------------------------------------
+
+    def invoke(self, *args, **kwargs) -> Invoker:
+        """One prompt group: its input joins the batch, its body sees its rows."""
+        return Invoker(self, args, kwargs)
+
+    def stop(self):
+        """End the forward here; everything saved so far is returned."""
+        _C.stop()
+
+    # -- tracebacks --------------------------------------------------------------
+
+    def _user_traceback(self, exc):
+        """The traceback of `exc` from the user's body on, without nnloom's frames."""
+        if _DEBUG:
+            return None
+        entries = []
+        t = exc.__traceback__
+        codes = self._codes or ((self._site.code,) if self._site else ())
+        started = False
+        while t is not None:
+            co = t.tb_frame.f_code
+            if co in codes:
+                started = True
+            if started and not _is_internal(co):
+                entries.append(t)
+            t = t.tb_next
+        if not started:
+            entries = []
+            t = exc.__traceback__
+            while t is not None:
+                if not _is_internal(t.tb_frame.f_code):
+                    entries.append(t)
+                t = t.tb_next
+        return _rebuild_tb(entries)
