@@ -12,9 +12,10 @@ CMAKE := $(VENV)/bin/cmake
 CTEST := $(VENV)/bin/ctest
 BUILD ?= build/dev
 SAN_BUILD ?= build/sanitize
+BUILD_LOG ?= /tmp/nnloom-pip-install.log
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all env env-bench build install ctest pytest test demo bench sanitize print-python clean
+.PHONY: all env env-bench build dev install ctest pytest test demo bench sanitize print-python clean
 
 all: build
 
@@ -32,8 +33,13 @@ build: env
 # the package, installed into the environment the way a user installs it
 install: env
 	@echo "[nnloom] pip install . (into $(VENV))"
-	@$(PY) -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v "^\s*$$" || true
+	@$(PY) -m pip install -q --no-build-isolation --no-deps . > $(BUILD_LOG) 2>&1 || { cat $(BUILD_LOG); exit 1; }
 	@$(PY) -c "import nnloom, sys; print('[nnloom] installed', nnloom.__file__)"
+
+# in-tree development: the extension copied next to the sources, so
+# `PYTHONPATH=python $(PY) ...` runs this checkout without installing it
+dev: build
+	@cp $(BUILD)/_C*.so python/nnloom/
 
 ctest: build
 	@cd $(BUILD) && $(CTEST) --output-on-failure

@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "../base/pybase.h"
+#include "../collect/collect.h"
+#include "../cuda/device.h"
 #include "../hooks/hooks.h"
 #include "../interleave/interleave.h"
 
@@ -283,6 +285,8 @@ static int loom_exec(PyObject *m) {
     Py_DECREF(tb);
     if (loom_il_module_init(m) < 0) return -1;
     if (loom_hook_module_init(m) < 0) return -1;
+    if (loom_collect_module_init(m) < 0) return -1;
+    if (loom_cuda_module_init(m) < 0) return -1;
     if (loom__mount_save() < 0) return -1;
     return 0;
 }

@@ -4,7 +4,7 @@
  * already completed and how many mediators wait on it; for every mediator its
  * state, the key it waits for, its row group and the next occurrence it will
  * ask for of each boundary it touched. No Python here: the handoff itself
- * lives in il.c.
+ * lives in il_py.c.
  */
 #include <string.h>
 

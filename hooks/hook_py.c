@@ -1,4 +1,4 @@
-/* hooks/hook.c - forward wrappers and the wrapped module tree.
+/* hooks/hook_py.c - forward wrappers and the wrapped module tree.
  *
  * Tree(modules, paths) installs a wrapper on every module and numbers them in
  * the order given (module index = position); tree.uninstall() puts every

@@ -1,4 +1,4 @@
-/* interleave/il.c - the Python half of the scheduler: the Interleaver.
+/* interleave/il_py.c - the Python half of the scheduler: the Interleaver.
  *
  * An Interleaver runs one trace: it owns one greenlet per mediator (invoke),
  * starts each body until it parks on its first request, calls the model, and
