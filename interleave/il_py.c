@@ -631,10 +631,10 @@ static loom_il *loom__caller(PyObject *tree, int32_t module, const char *what) {
 }
 
 /* Make the caller SERVED at (module, kind): the same occurrence if it already
- * is, else park until the next one. 0 or -1. */
-static int loom__acquire(loom_il *il, int32_t med, int32_t module, int32_t kind) {
+ * is (unless `fresh`), else park until the next one. 0 or -1. */
+static int loom__acquire(loom_il *il, int32_t med, int32_t module, int32_t kind, int fresh) {
     loom_sched *s = il->sched;
-    if (loom_sched_state(s, med) == LOOM_MED_SERVED) {
+    if (!fresh && loom_sched_state(s, med) == LOOM_MED_SERVED) {
         loom_key k = loom_sched_key(s, med);
         if (k.module == module && k.kind == kind) return 0;
     }
@@ -661,8 +661,12 @@ static PyObject *loom__select(PyObject *served, int sel) {
     Py_RETURN_NONE;
 }
 
+/* Selector argument: sel | LOOM_SEL_FRESH asks for the next occurrence even
+ * while the current one is being served (Envoy.next()). */
+#define LOOM_SEL_FRESH 8
+
 static int loom__parse_req(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
-                           int32_t *module, int *sel) {
+                           int32_t *module, int *sel, int *fresh) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
         return -1;
@@ -670,6 +674,8 @@ static int loom__parse_req(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t w
     long m = PyLong_AsLong(args[1]);
     long s = PyLong_AsLong(args[2]);
     if (PyErr_Occurred()) return -1;
+    *fresh = (s & LOOM_SEL_FRESH) != 0;
+    s &= ~LOOM_SEL_FRESH;
     if (s < 0 || s > 2) {
         PyErr_Format(PyExc_ValueError, "bad selector %ld", s);
         return -1;
@@ -687,13 +693,13 @@ static const char *loom__sel_name(int sel) {
 static PyObject *loom_request(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
     int32_t module;
-    int sel;
-    if (loom__parse_req(args, nargs, 3, &module, &sel) < 0) return NULL;
+    int sel, fresh;
+    if (loom__parse_req(args, nargs, 3, &module, &sel, &fresh) < 0) return NULL;
     loom_il *il = loom__caller(args[0], module, loom__sel_name(sel));
     if (il == NULL) return NULL;
     int32_t med = il->current;
     int32_t kind = sel == LOOM_SEL_OUTPUT ? LOOM_KIND_OUTPUT : LOOM_KIND_INPUT;
-    if (loom__acquire(il, med, module, kind) < 0) return NULL;
+    if (loom__acquire(il, med, module, kind, fresh) < 0) return NULL;
     loom__med *m = &il->meds[med];
     return loom__select(m->served, sel);
 }
@@ -703,13 +709,13 @@ static PyObject *loom_request(PyObject *mod, PyObject *const *args, Py_ssize_t n
 static PyObject *loom_assign(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
     int32_t module;
-    int sel;
-    if (loom__parse_req(args, nargs, 4, &module, &sel) < 0) return NULL;
+    int sel, fresh;
+    if (loom__parse_req(args, nargs, 4, &module, &sel, &fresh) < 0) return NULL;
     loom_il *il = loom__caller(args[0], module, loom__sel_name(sel));
     if (il == NULL) return NULL;
     int32_t med = il->current;
     int32_t kind = sel == LOOM_SEL_OUTPUT ? LOOM_KIND_OUTPUT : LOOM_KIND_INPUT;
-    if (loom__acquire(il, med, module, kind) < 0) return NULL;
+    if (loom__acquire(il, med, module, kind, fresh) < 0) return NULL;
     loom__med *m = &il->meds[med];
     PyObject *v = args[3], *nv = NULL;
     if (sel == LOOM_SEL_OUTPUT) {
@@ -783,7 +789,7 @@ static PyObject *loom_skip(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     loom_il *il = loom__caller(args[0], (int32_t)module, ".skip()");
     if (il == NULL) return NULL;
     int32_t med = il->current;
-    if (loom__acquire(il, med, (int32_t)module, LOOM_KIND_INPUT) < 0) return NULL;
+    if (loom__acquire(il, med, (int32_t)module, LOOM_KIND_INPUT, 0) < 0) return NULL;
     loom__med *m = &il->meds[med];
     Py_XSETREF(m->skip, Py_NewRef(args[2]));
     m->skip_module = (int32_t)module;

@@ -22,6 +22,7 @@ from .tracing import Tracer
 __all__ = ["Envoy", "NNsight"]
 
 _OUT, _INS, _IN = 0, 1, 2
+_FRESH = 8  # ask for the next occurrence even while one is being served
 _request = _C.request
 _assign = _C.assign
 
@@ -65,6 +66,11 @@ class Envoy:
     @inputs.setter
     def inputs(self, value: tuple) -> None:
         _assign(self._tree, self._index, _INS, value)
+
+    def next(self) -> "_Next":
+        """The module's next call: ``m.next().output`` skips past the occurrence
+        being served (a module called several times in one forward)."""
+        return _Next(self)
 
     def skip(self, value: Any) -> None:
         """Do not run this module in the forward; ``value`` is its output."""
@@ -124,6 +130,39 @@ class Envoy:
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._children) | set(dir(self._module)))
+
+
+class _Next:
+    """``envoy.next()``: reads and writes the next occurrence of the module."""
+
+    __slots__ = ("_e",)
+
+    def __init__(self, envoy: Envoy):
+        self._e = envoy
+
+    @property
+    def output(self):
+        return _request(self._e._tree, self._e._index, _OUT | _FRESH)
+
+    @output.setter
+    def output(self, value):
+        _assign(self._e._tree, self._e._index, _OUT | _FRESH, value)
+
+    @property
+    def input(self):
+        return _request(self._e._tree, self._e._index, _IN | _FRESH)
+
+    @input.setter
+    def input(self, value):
+        _assign(self._e._tree, self._e._index, _IN | _FRESH, value)
+
+    @property
+    def inputs(self):
+        return _request(self._e._tree, self._e._index, _INS | _FRESH)
+
+    @inputs.setter
+    def inputs(self, value):
+        _assign(self._e._tree, self._e._index, _INS | _FRESH, value)
 
 
 class NNsight(Envoy):
