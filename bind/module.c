@@ -150,11 +150,14 @@ static PyObject *loom_frame_set(PyObject *mod, PyObject *const *args, Py_ssize_t
             Py_DECREF(locals);
             return NULL;
         }
-    Py_DECREF(locals);
 #if PY_VERSION_HEX < 0x030D0000
     PyFrame_LocalsToFast(f, 0);
-    if (PyErr_Occurred()) return NULL;
+    /* the snapshot dict would keep every local (activations included) alive
+     * after the user deletes them; the frame rebuilds it on the next read */
+    if (!PyErr_Occurred() && PyDict_Check(locals)) PyDict_Clear(locals);
 #endif
+    Py_DECREF(locals);
+    if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 

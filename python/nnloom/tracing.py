@@ -25,6 +25,7 @@ __all__ = ["Tracer", "Invoker", "SourceError"]
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _DEBUG = os.environ.get("NNLOOM_DEBUG", "") not in ("", "0")
 _CO_OPTIMIZED = 0x0001
+_OLD_LOCALS = sys.version_info < (3, 13)
 
 
 class _Skip(Exception):
@@ -72,6 +73,20 @@ class _Skipper:
         self.frame.f_trace = self.prev_local
         sys.settrace(self.prev_global)
         self.prev_global = self.prev_local = None
+
+
+def _snapshot(frame) -> dict:
+    """The names visible in `frame`: its globals overlaid with its locals."""
+    loc = frame.f_locals
+    if frame.f_globals is loc:
+        return dict(loc)
+    ns = dict(frame.f_globals)
+    ns.update(loc)
+    if _OLD_LOCALS and frame.f_code.co_flags & _CO_OPTIMIZED:
+        # before PEP 667 f_locals is a snapshot cached on the frame: drop it so
+        # it does not keep the caller's locals alive after they are deleted
+        loc.clear()
+    return ns
 
 
 def _push(frame, values: dict) -> None:
@@ -135,9 +150,7 @@ class Invoker(_C.ExitBase):
         if et is not None and not issubclass(et, _Skip):
             return False
         # the invoke sees the names bound so far: objects shared, bindings its own
-        ns = dict(frame.f_globals) if frame.f_globals is not frame.f_locals else {}
-        ns.update(frame.f_locals)
-        self.ns = ns
+        self.ns = _snapshot(frame)
         self.tracer._invokes.append(self)
         return True
 
@@ -211,8 +224,7 @@ class Tracer(_C.ExitBase):
     def _execute(self):
         site, frame = self._site, self._frame
         nested = _C.scope_depth() > 0
-        ns = dict(frame.f_globals) if frame.f_globals is not frame.f_locals else {}
-        ns.update(frame.f_locals)
+        ns = _snapshot(frame)
         saved: dict = {}
         codes = [site.code]
         _C.scope_enter(saved)
