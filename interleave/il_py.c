@@ -39,6 +39,7 @@ typedef struct {
     int32_t skip_module;   /* module index `skip` is for */
     int64_t start;         /* first row of the invoke's group; -1 = whole batch */
     int64_t size;          /* rows in the group */
+    int blocked;           /* 0; LOOM__BLOCKED parked on a barrier; LOOM__READY released */
     loom_status pending;   /* error to raise in the body when it resumes */
     loom_key pending_key;  /* the request `pending` is about */
 } loom__med;
@@ -477,6 +478,7 @@ static PyObject *loom__run_body(PyObject *self, PyObject *unused) {
 static PyMethodDef loom__run_def = {"_body", loom__run_body, METH_NOARGS, NULL};
 
 enum { LOOM__RESUMED = 0, LOOM__STOP = 1 };
+enum { LOOM__BLOCKED = 1, LOOM__READY = 2 };
 
 /* Switch into mediator `med` and run its user code until it parks or ends.
  * Returns LOOM__RESUMED, LOOM__STOP when the body called stop(), or -1 with the
@@ -516,6 +518,25 @@ static int loom__resume(loom_il *il, int32_t med) {
     return -1;
 }
 
+/* Resume, in invoke order, every mediator a barrier released, until none is
+ * left. Returns how many ran (>= 0), or -1 / -2 - LOOM__STOP like resume. */
+static int loom__run_ready(loom_il *il) {
+    int ran = 0;
+    for (int again = 1; again;) {
+        again = 0;
+        for (int32_t i = 0; i < il->n_meds; i++) {
+            if (il->meds[i].blocked != LOOM__READY) continue;
+            il->meds[i].blocked = 0;
+            int r = loom__resume(il, i);
+            if (r < 0) return -1;
+            if (r == LOOM__STOP) return -2 - LOOM__STOP;
+            ran++;
+            again = 1;
+        }
+    }
+    return ran;
+}
+
 /* Park the running mediator until the forward serves its request (or the
  * trace tells it otherwise). Runs on the mediator's greenlet. 0 or -1. */
 static int loom__park(loom_il *il, int32_t med) {
@@ -530,7 +551,14 @@ static int loom__park(loom_il *il, int32_t med) {
     if (LOOM_UNLIKELY(m->pending != LOOM_OK)) {
         loom_status p = m->pending;
         m->pending = LOOM_OK;
-        loom__raise_order(il, med, m->pending_key, p == LOOM_ERR_MISSED);
+        if (p == LOOM_ERR_STATE)
+            PyErr_Format(PyExc_RuntimeError,
+                         "%U waited at a barrier that the other invokes never reached before "
+                         "the forward ended (check the barrier's count and that every invoke "
+                         "calls it)",
+                         m->name);
+        else
+            loom__raise_order(il, med, m->pending_key, p == LOOM_ERR_MISSED);
         return -1;
     }
     return 0;
@@ -561,6 +589,15 @@ int loom_il_boundary(loom_il *il, int32_t module, int32_t kind, PyObject **value
             PyErr_SetNone(st->StopTrace);
             goto fail;
         }
+        /* a barrier this body reached may have released others: they run now,
+         * still inside this boundary, and may wait for it too */
+        int ran = loom__run_ready(il);
+        if (ran == -1) goto fail;
+        if (ran < -1) {
+            PyErr_SetNone(st->StopTrace);
+            goto fail;
+        }
+        if (ran > 0) i = -1; /* rescan: next_waiter(i + 1) starts at 0 */
     }
     loom_sched_end(s, module, kind);
     return 0;
@@ -796,6 +833,40 @@ static PyObject *loom_skip(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* block(): park the running body until release(its index) is called. */
+static PyObject *loom_block(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    loom_il *il = loom__tls_il;
+    if (il == NULL || il->current < 0) {
+        PyErr_SetString(PyExc_ValueError, "a barrier can only be waited on inside an invoke");
+        return NULL;
+    }
+    int32_t med = il->current;
+    if (loom_sched_state(il->sched, med) == LOOM_MED_SERVED) loom_sched_unserve(il->sched, med);
+    il->meds[med].blocked = LOOM__BLOCKED;
+    if (loom__park(il, med) < 0) {
+        il->meds[med].blocked = 0;
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* release(i): let invoke i, blocked on a barrier, run again as soon as the
+ * body calling this parks. */
+static PyObject *loom_release(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    loom_il *il = loom__tls_il;
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (il == NULL || i < 0 || i >= il->n_meds || il->meds[i].blocked != LOOM__BLOCKED) {
+        PyErr_Format(PyExc_ValueError, "invoke %ld is not waiting at a barrier", i);
+        return NULL;
+    }
+    il->meds[i].blocked = LOOM__READY;
+    Py_RETURN_NONE;
+}
+
 /* stop(): end the forward early; everything saved so far is kept. */
 static PyObject *loom_stop(PyObject *mod, PyObject *unused) {
     (void)unused;
@@ -891,6 +962,7 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
     for (int32_t i = 0; i < il->n_meds && !il->stopped; i++) {
         int r = loom__resume(il, i);
         if (r < 0) goto fail;
+        if (!il->stopped && loom__run_ready(il) == -1) goto fail;
     }
     /* 2. the forward */
     if (!il->stopped) {
@@ -913,6 +985,16 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
             int r = loom__resume(il, i);
             if (r < 0) goto fail;
             if (r == LOOM__STOP) break;
+            if (loom__run_ready(il) == -1) goto fail;
+        }
+        /* bodies still parked on a barrier nobody completed */
+        for (int32_t i = 0; i < il->n_meds && !il->stopped; i++) {
+            if (il->meds[i].blocked != LOOM__BLOCKED) continue;
+            il->meds[i].blocked = 0;
+            il->meds[i].pending = LOOM_ERR_STATE;
+            int r = loom__resume(il, i);
+            if (r < 0) goto fail;
+            if (loom__run_ready(il) == -1) goto fail;
         }
     }
     loom__abort_all(il);
@@ -997,6 +1079,8 @@ static PyMethodDef il_functions[] = {
     {"skip", (PyCFunction)(void (*)(void))loom_skip, METH_FASTCALL,
      "skip(tree, module, value): use value as the module's output without running it"},
     {"stop", loom_stop, METH_NOARGS, "stop(): end the forward early"},
+    {"block", loom_block, METH_NOARGS, "block(): park the running invoke until released"},
+    {"release", loom_release, METH_O, "release(i): wake invoke i from a barrier"},
     {"current_invoke", loom_current_invoke, METH_NOARGS,
      "current_invoke() -> index of the running invoke body, or -1"},
     {NULL, NULL, 0, NULL},

@@ -117,6 +117,10 @@ int32_t loom_sched_calls(const loom_sched *s, int32_t module, int32_t kind);
  * is about to tell it its request was missed). */
 loom_status loom_sched_cancel(loom_sched *s, int32_t med);
 
+/* A SERVED mediator leaves its boundary without a new request (it blocks on
+ * something else, e.g. a barrier): back to RUNNING. */
+loom_status loom_sched_unserve(loom_sched *s, int32_t med);
+
 /* After the forward: the first mediator at or after `from` still WAITING, or -1. */
 int32_t loom_sched_next_missed(const loom_sched *s, int32_t from);
 

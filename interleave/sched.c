@@ -265,3 +265,12 @@ loom_status loom_sched_cancel(loom_sched *s, int32_t med) {
     m->state = LOOM_MED_RUNNING;
     return LOOM_OK;
 }
+
+loom_status loom_sched_unserve(loom_sched *s, int32_t med) {
+    LOOM_CHECK(loom__check_med(s, med));
+    loom__med *m = &s->meds[med];
+    if (m->state != LOOM_MED_SERVED)
+        return loom_fail(LOOM_ERR_STATE, "mediator %d left a boundary it was not in", (int)med);
+    m->state = LOOM_MED_RUNNING;
+    return LOOM_OK;
+}

@@ -11,10 +11,14 @@ from ._C import MissedProviderError, NNloomError, OutOfOrderError, save
 from ._capture import SourceError
 from .batching import Batcher, TensorBatcher
 from .envoy import Envoy, NNsight
-from .tracing import Invoker, Tracer
+from .language import LanguageModel, TextBatcher
+from .tracing import Barrier, Invoker, Tracer
 
 __all__ = [
     "NNsight",
+    "LanguageModel",
+    "TextBatcher",
+    "Barrier",
     "Envoy",
     "Tracer",
     "Invoker",

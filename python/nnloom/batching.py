@@ -27,6 +27,10 @@ class Batcher:
         """[(args, kwargs), ...] -> (args, kwargs) of the whole batch."""
         raise NotImplementedError
 
+    def single(self, args: tuple, kwargs: dict) -> tuple:
+        """The model's call for a trace with one input invoke (default: as given)."""
+        return args, dict(kwargs)
+
 
 class TensorBatcher(Batcher):
     """Batch along dim 0: tensors are concatenated, everything else must be equal."""
@@ -72,8 +76,11 @@ def plan_batch(batcher: Batcher | None, inputs: list) -> BatchPlan:
         raise ValueError("trace() needs an input: every invoke is empty")
     if len(given) == 1:
         a, k = inputs[given[0]]
-        n = batcher.batch_size(a, k) if batcher is not None else _guess_rows(a, k)
-        return BatchPlan(a, dict(k), n, [(-1, 0)] * len(inputs))
+        if batcher is None:
+            return BatchPlan(a, dict(k), _guess_rows(a, k), [(-1, 0)] * len(inputs))
+        n = batcher.batch_size(a, k)
+        a, k = batcher.single(a, k)
+        return BatchPlan(a, k, n, [(-1, 0)] * len(inputs))
     if batcher is None:
         raise ValueError(
             f"{len(given)} invokes have inputs, but this model has no batcher to combine them; "

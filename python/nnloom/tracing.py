@@ -20,12 +20,15 @@ from typing import Any
 from . import _C
 from ._capture import SourceError, capture
 
-__all__ = ["Tracer", "Invoker", "SourceError"]
+__all__ = ["Tracer", "Invoker", "Barrier", "SourceError"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _DEBUG = os.environ.get("NNLOOM_DEBUG", "") not in ("", "0")
 _CO_OPTIMIZED = 0x0001
 _OLD_LOCALS = sys.version_info < (3, 13)
+
+
+_MISSING = object()
 
 
 class _Skip(Exception):
@@ -111,6 +114,39 @@ def _rebuild_tb(entries):
 
 
 # ---------------------------------------------------------------------------
+# Barrier
+# ---------------------------------------------------------------------------
+
+
+class Barrier:
+    """``barrier = tracer.barrier(n)``; inside invokes: ``barrier()``."""
+
+    __slots__ = ("n", "_waiting", "_tracer")
+
+    def __init__(self, tracer: "Tracer", n: int):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"a barrier needs a positive number of invokes, not {n!r}")
+        self.n = n
+        self._waiting: list = []
+        self._tracer = tracer
+
+    def __call__(self) -> None:
+        me = _C.current_invoke()
+        if me < 0:
+            raise ValueError("a barrier can only be waited on inside an invoke's body")
+        if me in self._waiting:
+            raise ValueError(f"invoke {me} reached the same barrier twice")
+        self._waiting.append(me)
+        if len(self._waiting) < self.n:
+            _C.block()
+            return
+        waiting, self._waiting = self._waiting, []
+        self._tracer._exchange(waiting)
+        for i in waiting[:-1]:
+            _C.release(i)
+
+
+# ---------------------------------------------------------------------------
 # Invoker
 # ---------------------------------------------------------------------------
 
@@ -151,6 +187,7 @@ class Invoker(_C.ExitBase):
             return False
         # the invoke sees the names bound so far: objects shared, bindings its own
         self.ns = _snapshot(frame)
+        self.initial = {n: self.ns.get(n, _MISSING) for n in self.site.stores}
         self.tracer._invokes.append(self)
         return True
 
@@ -269,7 +306,7 @@ class Tracer(_C.ExitBase):
                 _C.save(v)
         _push(frame, out)
         for inv in self._invokes:
-            inv.ns = None
+            inv.ns = inv.initial = None
 
     # -- user API --------------------------------------------------------------
 
@@ -280,6 +317,28 @@ class Tracer(_C.ExitBase):
     def stop(self):
         """End the forward here; everything saved so far is returned."""
         _C.stop()
+
+    def barrier(self, n: int) -> "Barrier":
+        """A barrier for ``n`` invokes: each waits at ``barrier()`` until all n
+        have reached it, so one can use a value another produced in the same
+        forward."""
+        return Barrier(self, n)
+
+    def _exchange(self, members: list) -> None:
+        """At a completed barrier, the names each member bound so far become
+        visible to the others (unless they bound that name themselves)."""
+        invs = [self._invokes[i] for i in members]
+        for src in invs:
+            for name in src.site.stores:
+                if name not in src.ns or src.ns[name] is src.initial.get(name, _MISSING):
+                    continue
+                value = src.ns[name]
+                for dst in invs:
+                    if dst is src:
+                        continue
+                    cur = dst.ns.get(name, _MISSING)
+                    if cur is _MISSING or cur is dst.initial.get(name, _MISSING):
+                        dst.ns[name] = value
 
     # -- tracebacks --------------------------------------------------------------
 

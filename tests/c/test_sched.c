@@ -59,6 +59,8 @@ static void test_request_then_serve(void **state) {
     assert_int_equal(loom_sched_state(s, 0), LOOM_MED_SERVED);
     assert_false(loom_sched_has_waiters(s, 3, OUT));
     assert_int_equal(loom_sched_calls(s, 3, OUT), 1);
+    assert_int_equal(loom_sched_unserve(s, 0), LOOM_OK);
+    assert_int_equal(loom_sched_state(s, 0), LOOM_MED_RUNNING);
 }
 
 static void test_out_of_order(void **state) {
@@ -144,6 +146,7 @@ static void test_states(void **state) {
     assert_int_equal(loom_sched_set_state(s, 0, LOOM_MED_DONE), LOOM_ERR_STATE);
     assert_int_equal(loom_sched_serve(s, 1), LOOM_ERR_STATE); /* not waiting */
     assert_int_equal(loom_sched_cancel(s, 1), LOOM_ERR_STATE);
+    assert_int_equal(loom_sched_unserve(s, 1), LOOM_ERR_STATE);
     /* bad indices */
     assert_int_equal(loom_sched_request(s, 7, 1, OUT, &key), LOOM_ERR_INVALID);
     loom_sched_set_state(s, 1, LOOM_MED_RUNNING);
