@@ -151,3 +151,20 @@ def test_trace_in_a_loop_is_memoised(mlp_model, x16):
     assert len(res) == 5 and len(set(res)) == 5
     sites = [k for k in _capture._SITES if k[0].co_name == "test_trace_in_a_loop_is_memoised"]
     assert len(sites) == 1
+
+
+def test_notebook_cell_source(mlp_model, x16):
+    """IPython registers each cell's source in linecache under a made-up name;
+    a trace in such a cell is captured from there."""
+    import linecache
+
+    name = "<ipython-input-7-feedc0ffee>"
+    src = "with model.trace(x):\n    h = model.layers[1].output.save()\nresult.append(h)\n"
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    try:
+        result = []
+        exec(compile(src, name, "exec"), {"model": mlp_model, "x": x16, "result": result,
+                                          "torch": torch})
+        assert result[0].shape == (4, 16)
+    finally:
+        del linecache.cache[name]
