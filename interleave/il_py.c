@@ -867,6 +867,23 @@ static PyObject *loom_release(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_iteration(step): the running body's requests from now on ask for the
+ * occurrence of generation step `step`. */
+static PyObject *loom_set_iteration(PyObject *mod, PyObject *arg) {
+    loom_il *il = loom__tls_il;
+    long step = PyLong_AsLong(arg);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (il == NULL || il->current < 0) {
+        PyErr_SetString(PyExc_ValueError, "tracer.iter can only be used inside the body of a trace");
+        return NULL;
+    }
+    int32_t med = il->current;
+    if (loom_sched_state(il->sched, med) == LOOM_MED_SERVED) loom_sched_unserve(il->sched, med);
+    loom_status rc = loom_sched_set_iteration(il->sched, med, (int32_t)step);
+    if (rc != LOOM_OK) return loom_raise(loom_state(mod), rc);
+    Py_RETURN_NONE;
+}
+
 /* stop(): end the forward early; everything saved so far is kept. */
 static PyObject *loom_stop(PyObject *mod, PyObject *unused) {
     (void)unused;
@@ -1079,6 +1096,8 @@ static PyMethodDef il_functions[] = {
     {"skip", (PyCFunction)(void (*)(void))loom_skip, METH_FASTCALL,
      "skip(tree, module, value): use value as the module's output without running it"},
     {"stop", loom_stop, METH_NOARGS, "stop(): end the forward early"},
+    {"set_iteration", loom_set_iteration, METH_O,
+     "set_iteration(step): pin the running body's requests to a generation step"},
     {"block", loom_block, METH_NOARGS, "block(): park the running invoke until released"},
     {"release", loom_release, METH_O, "release(i): wake invoke i from a barrier"},
     {"current_invoke", loom_current_invoke, METH_NOARGS,

@@ -129,6 +129,10 @@ int32_t loom_sched_next_missed(const loom_sched *s, int32_t from);
 loom_status loom_sched_pin(loom_sched *s, int32_t med, int32_t module, int32_t kind,
                            int32_t call);
 
+/* Iteration (generation step) `call`: from now on every request of `med`, of
+ * any boundary, asks for occurrence `call` (one call per module per step). */
+loom_status loom_sched_set_iteration(loom_sched *s, int32_t med, int32_t call);
+
 /* ---- inline fast path ---------------------------------------------------- */
 
 struct loom_sched_public {

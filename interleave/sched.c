@@ -21,6 +21,7 @@ typedef struct {
     loom_key key;      /* valid in WAITING and SERVED */
     int64_t start;     /* first row of the group */
     int64_t size;      /* rows in the group; -1 = whole batch */
+    int32_t base;      /* occurrence a first request of a boundary asks for (iteration) */
     int32_t n_seen;    /* entries used in `seen` */
     int32_t cap_seen;  /* entries allocated */
     loom__seen *seen;  /* [cap_seen] boundaries touched, small: scanned linearly */
@@ -173,7 +174,7 @@ static loom__seen *loom__seen_get(loom__med *m, int32_t module, int32_t kind) {
     loom__seen *e = &m->seen[m->n_seen++];
     e->module = module;
     e->kind = kind;
-    e->next = 0;
+    e->next = m->base;
     return e;
 }
 
@@ -272,5 +273,14 @@ loom_status loom_sched_unserve(loom_sched *s, int32_t med) {
     if (m->state != LOOM_MED_SERVED)
         return loom_fail(LOOM_ERR_STATE, "mediator %d left a boundary it was not in", (int)med);
     m->state = LOOM_MED_RUNNING;
+    return LOOM_OK;
+}
+
+loom_status loom_sched_set_iteration(loom_sched *s, int32_t med, int32_t call) {
+    LOOM_CHECK(loom__check_med(s, med));
+    if (call < 0) return loom_fail(LOOM_ERR_INVALID, "negative iteration %d", (int)call);
+    loom__med *m = &s->meds[med];
+    m->base = call;
+    for (int32_t i = 0; i < m->n_seen; i++) m->seen[i].next = call;
     return LOOM_OK;
 }

@@ -216,14 +216,23 @@ class NNsight(Envoy):
             return self._module(*args, **kwargs)
         return Tracer(self, args, kwargs)
 
-    def _run_interleaved(self, bodies: list):
-        """Run the bodies [(code, ns, args, kwargs)] with one batched forward."""
+    def _run_interleaved(self, bodies: list, method: str | None = None,
+                         method_kwargs: dict | None = None):
+        """Run the bodies [(code, ns, args, kwargs)] with one batched call of
+        the module (or of its `method`, e.g. generate)."""
         plan = plan_batch(self._batcher, [(a, k) for _, _, a, k in bodies])
         il = _C.Interleaver(self._tree, self._tree.paths, plan.batch_size)
         for i, (code, ns, _, _) in enumerate(bodies):
             start, size = plan.rows[i]
             il.add(code, ns, start, size, f"invoke {i}")
-        return il.run(self._module, plan.args, plan.kwargs)
+        fn = self._module if method is None else getattr(self._module, method)
+        kwargs = plan.kwargs
+        if method_kwargs:
+            kwargs = dict(kwargs)
+            if method == "generate":
+                kwargs.pop("position_ids", None)  # generate derives them from the mask
+            kwargs.update(method_kwargs)
+        return il.run(fn, plan.args, kwargs)
 
     def unwrap(self) -> torch.nn.Module:
         """Remove nnloom from the module, leaving it exactly as it was."""

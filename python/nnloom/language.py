@@ -15,6 +15,7 @@ import torch
 
 from .batching import Batcher
 from .envoy import NNsight
+from .tracing import Tracer
 
 __all__ = ["LanguageModel", "TextBatcher"]
 
@@ -115,3 +116,18 @@ class LanguageModel(NNsight):
         tokenizer.padding_side = "left"
         super().__init__(model, batcher=TextBatcher(tokenizer), **kwargs)
         self.__dict__["tokenizer"] = tokenizer
+
+    _GEN_INPUTS = ("input_ids", "attention_mask")
+
+    def generate(self, *args, max_new_tokens: int = 1, **kwargs: Any) -> Tracer:
+        """``with model.generate(prompt, max_new_tokens=n) as tracer:``
+
+        The body runs interleaved with HF ``generate``; each new token is one
+        step (``tracer.iter[...]``, ``tracer.all()``); ``tracer.result`` holds
+        the generated ids."""
+        inputs = {k: kwargs.pop(k) for k in self._GEN_INPUTS if k in kwargs}
+        gen = dict(kwargs)
+        gen["max_new_tokens"] = max_new_tokens
+        gen.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return Tracer(self, args, inputs, method="generate", method_kwargs=gen,
+                      steps=max_new_tokens)

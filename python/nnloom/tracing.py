@@ -114,6 +114,44 @@ def _rebuild_tb(entries):
 
 
 # ---------------------------------------------------------------------------
+# Generation steps
+# ---------------------------------------------------------------------------
+
+
+class _Steps:
+    __slots__ = ("_tracer",)
+
+    def __init__(self, tracer):
+        self._tracer = tracer
+
+    def __getitem__(self, key) -> "_StepIter":
+        n = self._tracer._steps
+        if isinstance(key, int):
+            return _StepIter(range(key, key + 1))
+        if isinstance(key, slice):
+            start = 0 if key.start is None else key.start
+            stop = n if key.stop is None else key.stop
+            if start < 0 or stop < 0:
+                raise ValueError("tracer.iter takes non-negative steps")
+            return _StepIter(range(start, stop, key.step or 1))
+        raise TypeError("tracer.iter[...] takes a step or a slice of steps")
+
+
+class _StepIter:
+    """Sets the running invoke's iteration before each step of the loop."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: range):
+        self._steps = steps
+
+    def __iter__(self):
+        for step in self._steps:
+            _C.set_iteration(step)
+            yield step
+
+
+# ---------------------------------------------------------------------------
 # Barrier
 # ---------------------------------------------------------------------------
 
@@ -207,10 +245,14 @@ class Tracer(_C.ExitBase):
     the input here (one implicit invoke) or in ``tracer.invoke(...)`` blocks.
     """
 
-    def __init__(self, model, args: tuple, kwargs: dict):
+    def __init__(self, model, args: tuple, kwargs: dict, method: str | None = None,
+                 method_kwargs: dict | None = None, steps: int = 1):
         self.model = model
         self._args = args
         self._kwargs = kwargs
+        self._method = method  # e.g. "generate": what runs instead of forward
+        self._method_kwargs = method_kwargs or {}
+        self._steps = steps  # forward passes the method makes (generation steps)
         self._invokes: list = []
         self._state = "new"
         self._frame = None
@@ -283,7 +325,7 @@ class Tracer(_C.ExitBase):
                 bodies = [(site.code, ns, self._args, self._kwargs)]
             self._codes = tuple(codes)
             self._state = "running"
-            self.output = self.model._run_interleaved(bodies)
+            self.output = self.model._run_interleaved(bodies, self._method, self._method_kwargs)
         except _C.StopTrace:
             pass  # stop() before any invoke: nothing ran
         finally:
@@ -317,6 +359,21 @@ class Tracer(_C.ExitBase):
     def stop(self):
         """End the forward here; everything saved so far is returned."""
         _C.stop()
+
+    @property
+    def result(self) -> Any:
+        """What the traced call returned (generated ids for ``generate``)."""
+        return self.output
+
+    @property
+    def iter(self) -> "_Steps":
+        """``for step in tracer.iter[0:3]:`` runs the loop body once per
+        generation step, with module requests pinned to that step."""
+        return _Steps(self)
+
+    def all(self) -> "_StepIter":
+        """Every generation step: ``for step in tracer.all():``."""
+        return _Steps(self)[:]
 
     def barrier(self, n: int) -> "Barrier":
         """A barrier for ``n`` invokes: each waits at ``barrier()`` until all n

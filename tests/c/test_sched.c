@@ -117,6 +117,26 @@ static void test_pin(void **state) {
     assert_int_equal(boundary(s, 1, OUT, NULL), 1);
 }
 
+static void test_iteration(void **state) {
+    loom_sched *s = *state;
+    loom_key key;
+    loom_sched_set_state(s, 0, LOOM_MED_RUNNING);
+    for (int step = 0; step < 3; step++) {
+        assert_int_equal(loom_sched_set_iteration(s, 0, step), LOOM_OK);
+        /* a boundary never touched before also starts at the iteration */
+        assert_int_equal(loom_sched_request(s, 0, step == 2 ? 5 : 2, OUT, &key), LOOM_OK);
+        assert_int_equal(key.call, step == 2 ? 2 : step);
+        if (step < 2) {
+            assert_int_equal(boundary(s, 2, OUT, NULL), 1);
+        }
+    }
+    assert_int_equal(loom_sched_cancel(s, 0), LOOM_OK);
+    /* going back to a step that passed is out of order */
+    assert_int_equal(loom_sched_set_iteration(s, 0, 0), LOOM_OK);
+    assert_int_equal(loom_sched_request(s, 0, 2, OUT, &key), LOOM_ERR_OUT_OF_ORDER);
+    assert_int_equal(loom_sched_set_iteration(s, 0, -1), LOOM_ERR_INVALID);
+}
+
 static void test_serve_in_invoke_order(void **state) {
     loom_sched *s = *state;
     loom_key key;
@@ -232,6 +252,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_out_of_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_occurrences, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pin, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_iteration, setup, teardown),
         cmocka_unit_test_setup_teardown(test_serve_in_invoke_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_states, setup, teardown),
         cmocka_unit_test_setup_teardown(test_rows, setup, teardown),
