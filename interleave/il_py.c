@@ -40,6 +40,10 @@ typedef struct {
     int64_t start;         /* first row of the invoke's group; -1 = whole batch */
     int64_t size;          /* rows in the group */
     int blocked;           /* 0; LOOM__BLOCKED parked on a barrier; LOOM__READY released */
+    int finished;          /* the worker ended the body (outcome in exc_*) */
+    PyObject *exc_type;    /* the body's exception, recorded by its worker, or NULL */
+    PyObject *exc_value;
+    PyObject *exc_tb;
     loom_status pending;   /* error to raise in the body when it resumes */
     loom_key pending_key;  /* the request `pending` is about */
 } loom__med;
@@ -126,6 +130,9 @@ static void loom__med_clear(loom__med *m) {
     Py_CLEAR(m->served);
     Py_CLEAR(m->replacement);
     Py_CLEAR(m->skip);
+    Py_CLEAR(m->exc_type);
+    Py_CLEAR(m->exc_value);
+    Py_CLEAR(m->exc_tb);
 }
 
 static int il_traverse(loom_il *il, visitproc visit, void *arg) {
@@ -142,6 +149,9 @@ static int il_traverse(loom_il *il, visitproc visit, void *arg) {
         Py_VISIT(m->served);
         Py_VISIT(m->replacement);
         Py_VISIT(m->skip);
+        Py_VISIT(m->exc_type);
+        Py_VISIT(m->exc_value);
+        Py_VISIT(m->exc_tb);
     }
     return 0;
 }
@@ -454,31 +464,133 @@ static PyObject *loom__splice(loom_il *il, loom_modstate *st, int32_t med, PyObj
 /* Handoff                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* Body of a mediator's greenlet; `self` is the mediator index. */
-static PyObject *loom__run_body(PyObject *self, PyObject *unused) {
-    (void)unused;
-    loom_il *il = loom__tls_il;
-    int32_t med = (int32_t)PyLong_AsLong(self);
-    if (il == NULL || med < 0 || med >= il->n_meds) {
-        PyErr_SetString(PyExc_RuntimeError, "nnloom: body started outside its trace");
+/* ---- worker greenlets ------------------------------------------------------
+ *
+ * A body runs on a *worker*: a greenlet that loops forever, taking one body at
+ * a time. Starting a fresh greenlet on a Python function costs ~10 us (a new
+ * frame stack), a switch to a parked one ~0.6 us, so workers are pooled per
+ * thread (in the thread state dict) and reused across traces. A worker never
+ * lets an exception escape: it records the body's outcome on the mediator and
+ * switches back to the trace's home greenlet.
+ */
+
+#define LOOM__POOL_KEY "nnloom.worker_pool"
+#define LOOM__POOL_MAX 512
+
+static PyObject *loom__worker_main(PyObject *self, PyObject *unused);
+static PyMethodDef loom__worker_def = {"_nnloom_worker", loom__worker_main, METH_NOARGS, NULL};
+
+/* Borrowed: this thread's list of idle workers, created on first use. */
+static PyObject *loom__pool(void) {
+    PyObject *d = PyThreadState_GetDict();
+    if (d == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "nnloom: no thread state dict");
         return NULL;
     }
-    loom__med *m = &il->meds[med];
-    PyObject *code = Py_NewRef(m->code), *ns = Py_NewRef(m->ns);
-    PyObject *r = PyEval_EvalCode(code, ns, ns);
-    Py_DECREF(code);
-    Py_DECREF(ns);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
-    if (loom_sched_state(il->sched, med) != LOOM_MED_DONE)
-        loom_sched_set_state(il->sched, med, LOOM_MED_DONE);
-    Py_RETURN_NONE;
+    PyObject *pool = PyDict_GetItemString(d, LOOM__POOL_KEY);
+    if (pool != NULL) return pool;
+    pool = PyList_New(0);
+    if (pool == NULL) return NULL;
+    int rc = PyDict_SetItemString(d, LOOM__POOL_KEY, pool);
+    Py_DECREF(pool);
+    return rc < 0 ? NULL : pool;
 }
 
-static PyMethodDef loom__run_def = {"_body", loom__run_body, METH_NOARGS, NULL};
+/* New reference to an idle worker (pooled or new), or NULL. */
+static PyObject *loom__worker_take(void) {
+    PyObject *pool = loom__pool();
+    if (pool == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(pool);
+    if (n > 0) {
+        PyObject *w = Py_NewRef(PyList_GET_ITEM(pool, n - 1));
+        if (PyList_SetSlice(pool, n - 1, n, NULL) < 0) {
+            Py_DECREF(w);
+            return NULL;
+        }
+        return w;
+    }
+    PyObject *run = PyCFunction_New(&loom__worker_def, NULL);
+    if (run == NULL) return NULL;
+    PyObject *w = (PyObject *)PyGreenlet_New(run, NULL);
+    Py_DECREF(run);
+    return w;
+}
+
+/* Give an idle worker back (steals `w`). */
+static void loom__worker_give(PyObject *w) {
+    PyObject *pool = loom__pool();
+    if (pool != NULL && PyList_GET_SIZE(pool) < LOOM__POOL_MAX &&
+        PyGreenlet_ACTIVE((PyGreenlet *)w))
+        (void)PyList_Append(pool, w);
+    PyErr_Clear();
+    Py_DECREF(w);
+}
+
+/* The worker loop: run the body of il->current, record how it ended, report
+ * to home, wait for the next body. Returns only when the worker is killed
+ * while idle (thread exit, pool cleared). */
+static PyObject *loom__worker_main(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    for (;;) {
+        loom_il *il = loom__tls_il;
+        if (il == NULL || il->current < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "nnloom: worker started outside a trace");
+            return NULL;
+        }
+        int32_t med = il->current;
+        loom__med *m = &il->meds[med];
+        PyObject *code = Py_NewRef(m->code), *ns = Py_NewRef(m->ns);
+        PyObject *r = PyEval_EvalCode(code, ns, ns);
+        Py_DECREF(code);
+        Py_DECREF(ns);
+        /* the trace may have moved on; re-read it */
+        il = loom__tls_il;
+        m = &il->meds[med];
+        if (r == NULL) {
+            PyErr_Fetch(&m->exc_type, &m->exc_value, &m->exc_tb);
+        } else {
+            Py_DECREF(r);
+        }
+        m->finished = 1;
+        PyObject *home = Py_NewRef(il->home);
+        r = PyGreenlet_Switch((PyGreenlet *)home, NULL, NULL);
+        Py_DECREF(home);
+        if (r == NULL) return NULL; /* killed while idle */
+        Py_DECREF(r);
+    }
+}
 
 enum { LOOM__RESUMED = 0, LOOM__STOP = 1 };
 enum { LOOM__BLOCKED = 1, LOOM__READY = 2 };
+
+/* The body of `med` ended: release its worker and turn its recorded outcome
+ * into a state (and the pending exception, for -1). */
+static int loom__finish(loom_il *il, int32_t med) {
+    loom__med *m = &il->meds[med];
+    loom_modstate *st = loom_state_of((PyObject *)il);
+    PyObject *w = m->greenlet;
+    m->greenlet = NULL;
+    m->finished = 0;
+    loom__worker_give(w);
+    if (m->exc_type == NULL) {
+        loom_sched_set_state(il->sched, med, LOOM_MED_DONE);
+        return LOOM__RESUMED;
+    }
+    PyObject *et = m->exc_type, *ev = m->exc_value, *etb = m->exc_tb;
+    m->exc_type = m->exc_value = m->exc_tb = NULL;
+    if (PyErr_GivenExceptionMatches(et, st->StopTrace)) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+        loom_sched_set_state(il->sched, med, LOOM_MED_STOPPED);
+        il->stopped = 1;
+        return LOOM__STOP;
+    }
+    loom_sched_set_state(il->sched, med, LOOM_MED_FAILED);
+    PyErr_Restore(et, ev, etb);
+    return -1;
+}
 
 /* Switch into mediator `med` and run its user code until it parks or ends.
  * Returns LOOM__RESUMED, LOOM__STOP when the body called stop(), or -1 with the
@@ -487,13 +599,7 @@ static int loom__resume(loom_il *il, int32_t med) {
     loom__med *m = &il->meds[med];
     loom_modstate *st = loom_state_of((PyObject *)il);
     if (m->greenlet == NULL) {
-        PyObject *idx = PyLong_FromLong(med);
-        if (idx == NULL) return -1;
-        PyObject *run = PyCFunction_New(&loom__run_def, idx);
-        Py_DECREF(idx);
-        if (run == NULL) return -1;
-        m->greenlet = (PyObject *)PyGreenlet_New(run, NULL);
-        Py_DECREF(run);
+        m->greenlet = loom__worker_take();
         if (m->greenlet == NULL) return -1;
         if (loom_sched_set_state(il->sched, med, LOOM_MED_RUNNING) != LOOM_OK)
             return loom_raise(st, LOOM_ERR_STATE), -1;
@@ -502,20 +608,15 @@ static int loom__resume(loom_il *il, int32_t med) {
     il->current = med;
     PyObject *r = PyGreenlet_Switch((PyGreenlet *)m->greenlet, NULL, NULL);
     il->current = outer;
-    if (r != NULL) {
-        Py_DECREF(r);
-        return LOOM__RESUMED;
-    }
-    if (PyErr_ExceptionMatches(st->StopTrace)) {
-        PyErr_Clear();
-        loom_sched_set_state(il->sched, med, LOOM_MED_STOPPED);
-        il->stopped = 1;
-        return LOOM__STOP;
-    }
-    loom_med_state s = loom_sched_state(il->sched, med);
-    if (s != LOOM_MED_DONE && s != LOOM_MED_FAILED && s != LOOM_MED_STOPPED)
+    if (r == NULL) {
+        /* the worker itself broke (it never lets a body's error escape) */
+        Py_CLEAR(m->greenlet);
         loom_sched_set_state(il->sched, med, LOOM_MED_FAILED);
-    return -1;
+        return -1;
+    }
+    Py_DECREF(r);
+    if (m->finished) return loom__finish(il, med);
+    return LOOM__RESUMED;
 }
 
 /* Resume, in invoke order, every mediator a barrier released, until none is
@@ -904,23 +1005,33 @@ static PyObject *loom_current_invoke(PyObject *mod, PyObject *unused) {
 /* ------------------------------------------------------------------------ */
 
 /* Tear down every mediator that has not ended: raise GreenletExit at its
- * parking point so its frames unwind. Keeps the pending exception. */
+ * parking point so its frames unwind, then give its worker back. A body that
+ * refuses to end (swallows GreenletExit and parks again) keeps its worker out
+ * of the pool. Keeps the pending exception. */
 static void loom__abort_all(loom_il *il) {
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
     il->aborting = 1;
     for (int32_t i = 0; i < il->n_meds; i++) {
         loom__med *m = &il->meds[i];
-        if (m->greenlet == NULL || !PyGreenlet_ACTIVE((PyGreenlet *)m->greenlet)) continue;
-        for (int tries = 0; tries < 3 && PyGreenlet_ACTIVE((PyGreenlet *)m->greenlet); tries++) {
+        for (int tries = 0; tries < 3 && m->greenlet != NULL && !m->finished; tries++) {
             int32_t outer = il->current;
             il->current = i;
             PyObject *r = PyGreenlet_Throw((PyGreenlet *)m->greenlet, PyExc_GreenletExit, NULL,
                                            NULL);
             il->current = outer;
-            if (r == NULL) PyErr_Clear();
-            else Py_DECREF(r);
+            if (r == NULL) {
+                PyErr_Clear();
+                Py_CLEAR(m->greenlet); /* the worker died: never reuse it */
+            } else {
+                Py_DECREF(r);
+            }
         }
+        if (m->greenlet != NULL && m->finished) {
+            loom__finish(il, i);
+            PyErr_Clear(); /* the GreenletExit (or whatever it ended with) */
+        }
+        Py_CLEAR(m->greenlet);
         loom_med_state s = loom_sched_state(il->sched, i);
         if (s != LOOM_MED_DONE && s != LOOM_MED_FAILED && s != LOOM_MED_STOPPED)
             loom_sched_set_state(il->sched, i, LOOM_MED_STOPPED);
