@@ -746,11 +746,18 @@ static PyObject *pool_stage(PyObject *self, PyObject *args, PyObject *kw) {
         if (s != LOOM_OK) goto fail_status;
     }
     if (n_dev < (size_t)n) {
+        /* host tensors: packed to the front of views/plans, one call */
+        size_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (views[i].device < 0) {
+                views[k] = views[i];
+                plans[k++] = plans[i];
+            }
         uint8_t *dst = loom_cuda_block_data(blk);
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (views[i].device < 0) loom_cuda_stage_cpu(&views[i], &plans[i], 1, dst);
+        s = loom_cuda_stage_cpu(views, plans, k, dst);
         Py_END_ALLOW_THREADS
+        if (s != LOOM_OK) goto fail_status;
     }
     /* sources stay alive until the copy stream has read them */
     if (loom_cuda_block_defer(blk, release_sources, src) != LOOM_OK) {
