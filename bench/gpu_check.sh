@@ -103,7 +103,7 @@ if [ $built_ext = 1 ]; then
     if "$PY" -c 'import pytest' >/dev/null 2>&1; then
         step pytest_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
             "$root"/tests/py/test_cuda_gpu.py
-        tail -5 "$out/pytest_gpu.log" >>"$summary"
+        tail -25 "$out/pytest_gpu.log" >>"$summary"
         step pytest_cuda 60 "$PY" -m pytest -q -p no:cacheprovider \
             "$root"/tests/py/test_cuda_pool.py "$root"/tests/py/test_cuda_stage.py \
             "$root"/tests/py/test_cuda_nvtx.py
@@ -112,7 +112,8 @@ if [ $built_ext = 1 ]; then
         say "pytest         SKIPPED (pytest not installed)"
     fi
     if [ $((budget - ($(date +%s) - t_start))) -gt 30 ]; then
-        step gpu_bench 240 "$PY" "$root/bench/gpu_bench.py" "$out/gpu-bench.json"
+        step gpu_bench 240 "$PY" "$root/bench/gpu_bench.py" "$out/gpu-bench.json" ||
+            tail -20 "$out/gpu_bench.log" >>"$summary"
         grep -E '^\[gpu_bench\]' "$out/gpu_bench.log" >>"$summary"
         [ -f "$out/gpu-bench.json" ] && "$PY" - "$out/gpu-bench.json" >>"$summary" 2>&1 <<'PYEOF'
 import json, sys

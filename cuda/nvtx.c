@@ -13,7 +13,9 @@
 #include <nvtx3/nvToolsExt.h>
 #endif
 
+#ifdef LOOM_CUDA_HAVE_NVTX
 static LOOM_PARAM(Nvtx, "NNLOOM_NVTX", 1)
+#endif
 
 static _Thread_local int range_depth;
 
