@@ -55,14 +55,14 @@ class Config:
     device: str = "cpu"
     warmup: int = 10
     min_repeats: int = 30
-    min_time: float = 1.0   # seconds of samples per system and case
-    max_time: float = 6.0   # wall seconds per case, once min_repeats is reached
+    min_time: float = 2.0   # seconds of samples per system and case
+    max_time: float = 12.0  # wall seconds per case, once min_repeats is reached
 
     @classmethod
     def make(cls, quick: bool, device: str) -> "Config":
         if quick:
             return cls(quick=True, device=device, warmup=3, min_repeats=20,
-                       min_time=0.05, max_time=1.5)
+                       min_time=0.3, max_time=3.0)
         return cls(quick=False, device=device)
 
     @property
@@ -179,6 +179,11 @@ class ScenarioResult:
         r = self.row(case, system)
         return r.stats.median_s if r is not None and r.stats is not None else None
 
+    def fastest(self, case: str, system: str) -> float | None:
+        """The minimum: a second, noise-robust view of the intrinsic cost."""
+        r = self.row(case, system)
+        return r.stats.min_s if r is not None and r.stats is not None else None
+
 
 # ---------------------------------------------------------------------------
 # Comparing values
@@ -281,12 +286,18 @@ def check_case(case: Case, result: ScenarioResult,
     return rows
 
 
-def time_case(case_name: str, systems: list[System], rows: list[Row], cfg: Config,
-              result: ScenarioResult) -> None:
-    """Warm up and time, in interleaved rounds, the systems whose row is OK."""
-    by_name = {r.system: r for r in rows}
-    live = [(s, by_name[s.name]) for s in systems
-            if s.run is not None and by_name[s.name].status == OK]
+def time_cases(groups: list[tuple[str, list[System], list[Row]]], cfg: Config,
+               result: ScenarioResult) -> None:
+    """Warm up and time the systems whose row is OK, for one or more cases at
+    once: every (case, system) pair runs once per round, the order rotating.
+    Cases whose numbers are subtracted from each other (1 save vs 12 saves)
+    are timed together so that drift in the machine's load cancels."""
+    live: list[tuple[System, Row]] = []
+    for case_name, systems, rows in groups:
+        by_name = {r.system: r for r in rows}
+        live += [(s, by_name[s.name]) for s in systems
+                 if s.run is not None and by_name[s.name].status == OK]
+        result.cases[case_name] = rows
     time_fn = timer_for(cfg)
     for s, _ in live:
         for _ in range(cfg.warmup):
@@ -295,23 +306,28 @@ def time_case(case_name: str, systems: list[System], rows: list[Row], cfg: Confi
         torch.cuda.synchronize()
     gc.collect()
 
-    samples: dict[str, list[float]] = {s.name: [] for s, _ in live}
+    samples: list[list[float]] = [[] for _ in live]
     t_start = time.perf_counter()
     rnd = 0
     while live:
         k = rnd % len(live)
-        for s, _ in live[k:] + live[:k]:
-            samples[s.name].append(time_fn(s.run))
+        for i in list(range(k, len(live))) + list(range(k)):
+            samples[i].append(time_fn(live[i][0].run))
         rnd += 1
         if rnd < cfg.min_repeats:
             continue
-        if all(sum(v) >= cfg.min_time for v in samples.values()):
+        if all(sum(v) >= cfg.min_time for v in samples):
             break
-        if time.perf_counter() - t_start >= cfg.max_time:
+        if time.perf_counter() - t_start >= cfg.max_time * len(groups):
             break
-    for s, row in live:
-        row.stats = Stats.of(samples[s.name])
-    result.cases[case_name] = rows
+    for (_, row), v in zip(live, samples):
+        row.stats = Stats.of(v)
+
+
+def time_case(case_name: str, systems: list[System], rows: list[Row], cfg: Config,
+              result: ScenarioResult) -> None:
+    """Warm up and time one case (see time_cases)."""
+    time_cases([(case_name, systems, rows)], cfg, result)
 
 
 def run_case(case: Case, cfg: Config, result: ScenarioResult,
