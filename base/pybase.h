@@ -28,6 +28,8 @@ typedef struct {
     PyObject *str_shape;              /* interned "shape" */
     PyObject *str_copy_;              /* interned "copy_" */
     PyObject *str_make;               /* interned "_make" */
+    PyObject *save_descr;             /* our `object.save` descriptor */
+    PyObject *save_fallback;          /* the `object.save` we displaced (another library's), or NULL */
 } loom_modstate;
 
 /* The module definition (bind/module.c). */

@@ -62,19 +62,81 @@ static PyObject *loom_save(PyObject *mod, PyObject *obj) {
     return loom__save_impl(obj);
 }
 
-/* object.save(self) -> self: the method form, mounted on `object`. */
-static PyObject *loom_save_method(PyObject *self, PyObject *unused) {
-    (void)unused;
-    return loom__save_impl(self);
+/* _save_method(obj) -> obj: what `obj.save()` calls. Inside an nnloom trace it
+ * saves; outside one it hands over to the `object.save` another library
+ * (nnsight) had mounted, so both can be imported in one process. */
+static PyObject *loom_save_bound(PyObject *mod, PyObject *obj) {
+    if (loom__n_scopes > 0) return loom__save_impl(obj);
+    loom_modstate *st = loom_state(mod);
+    if (st->save_fallback != NULL) {
+        PyObject *bound;
+        descrgetfunc get = Py_TYPE(st->save_fallback)->tp_descr_get;
+        if (get != NULL) bound = get(st->save_fallback, obj, (PyObject *)Py_TYPE(obj));
+        else bound = Py_NewRef(st->save_fallback);
+        if (bound == NULL) return NULL;
+        PyObject *r = PyObject_CallNoArgs(bound);
+        Py_DECREF(bound);
+        return r;
+    }
+    return loom__save_impl(obj); /* raises: not in a trace */
 }
 
-static PyMethodDef loom__save_method_def = {
-    "save", loom_save_method, METH_NOARGS,
-    "save() -> self: mark this object to be returned after the trace (nnloom)."};
+/* SaveDescr: the descriptor mounted as `object.save`; binds the instance to
+ * a function that can reach this module's state. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *func; /* builtin function _save_method(obj), bound to the module */
+} loom_save_descr;
+
+static PyObject *savedescr_get(PyObject *self, PyObject *obj, PyObject *type) {
+    (void)type;
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(((loom_save_descr *)self)->func, obj);
+}
+
+static int savedescr_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(((loom_save_descr *)self)->func);
+    return 0;
+}
+
+static int savedescr_clear(PyObject *self) {
+    Py_CLEAR(((loom_save_descr *)self)->func);
+    return 0;
+}
+
+static void savedescr_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    savedescr_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot savedescr_slots[] = {
+    {Py_tp_descr_get, savedescr_get},
+    {Py_tp_traverse, savedescr_traverse},
+    {Py_tp_clear, savedescr_clear},
+    {Py_tp_dealloc, savedescr_dealloc},
+    {Py_tp_doc, "save() -> self: mark this object to be returned after the trace (nnloom)."},
+    {0, NULL},
+};
+
+static PyType_Spec savedescr_spec = {
+    .name = "nnloom._C.SaveDescriptor",
+    .basicsize = sizeof(loom_save_descr),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = savedescr_slots,
+};
+
+static PyMethodDef loom__save_bound_def = {
+    "_save_method", loom_save_bound, METH_O,
+    "obj.save() as mounted on object: save inside an nnloom trace."};
+
+static int loom__mount_save(loom_modstate *st);
 
 /* scope_enter(d): saves go to dict `d` until scope_exit(d). */
 static PyObject *loom_scope_enter(PyObject *mod, PyObject *d) {
-    (void)mod;
     if (!PyDict_Check(d)) {
         PyErr_SetString(PyExc_TypeError, "scope_enter(dict)");
         return NULL;
@@ -83,6 +145,7 @@ static PyObject *loom_scope_enter(PyObject *mod, PyObject *d) {
         PyErr_SetString(PyExc_RecursionError, "traces nested too deeply");
         return NULL;
     }
+    if (loom__mount_save(loom_state(mod)) < 0) return NULL;
     loom__scopes[loom__n_scopes++] = d;
     Py_RETURN_NONE;
 }
@@ -103,25 +166,30 @@ static PyObject *loom_scope_depth(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(loom__n_scopes);
 }
 
-/* Put `save` on `object` so any value has .save(). Once per process: the type
- * cache of every class is invalidated by it. */
-static int loom__mount_save(void) {
+/* Borrowed dict of `object` (new reference on 3.12+ handled by the caller). */
+static PyObject *loom__object_dict(void) {
 #if PY_VERSION_HEX >= 0x030C0000
-    PyObject *dict = PyType_GetDict(&PyBaseObject_Type); /* new reference */
+    return PyType_GetDict(&PyBaseObject_Type); /* new reference */
 #else
-    PyObject *dict = Py_XNewRef(PyBaseObject_Type.tp_dict);
+    return Py_XNewRef(PyBaseObject_Type.tp_dict);
 #endif
+}
+
+/* Make `object.save` ours, remembering whatever another library mounted there
+ * as the fallback for saves outside nnloom's traces. Cheap when already ours
+ * (one dict lookup), so it runs at every trace start: a library imported
+ * after nnloom (nnsight mounts its own `object.save`) cannot take it over.
+ * Invalidating the type cache of every class is the slow part, done only on a
+ * change. */
+static int loom__mount_save(loom_modstate *st) {
+    PyObject *dict = loom__object_dict();
     if (dict == NULL) return -1;
     int rc = 0;
-    PyObject *cur = PyDict_GetItemString(dict, "save");
-    if (cur == NULL) {
-        PyObject *descr = PyDescr_NewMethod(&PyBaseObject_Type, &loom__save_method_def);
-        if (descr == NULL) rc = -1;
-        else {
-            rc = PyDict_SetItemString(dict, "save", descr);
-            Py_DECREF(descr);
-            if (rc == 0) PyType_Modified(&PyBaseObject_Type);
-        }
+    PyObject *cur = PyDict_GetItemString(dict, "save"); /* borrowed */
+    if (cur != st->save_descr) {
+        if (cur != NULL) Py_XSETREF(st->save_fallback, Py_NewRef(cur));
+        rc = PyDict_SetItemString(dict, "save", st->save_descr);
+        if (rc == 0) PyType_Modified(&PyBaseObject_Type);
     }
     Py_DECREF(dict);
     return rc;
@@ -290,7 +358,16 @@ static int loom_exec(PyObject *m) {
     if (loom_hook_module_init(m) < 0) return -1;
     if (loom_collect_module_init(m) < 0) return -1;
     if (loom_cuda_module_init(m) < 0) return -1;
-    if (loom__mount_save() < 0) return -1;
+    PyObject *dtype = PyType_FromModuleAndSpec(m, &savedescr_spec, NULL);
+    if (dtype == NULL) return -1;
+    loom_save_descr *descr = PyObject_GC_New(loom_save_descr, (PyTypeObject *)dtype);
+    Py_DECREF(dtype);
+    if (descr == NULL) return -1;
+    descr->func = PyCFunction_NewEx(&loom__save_bound_def, m, NULL);
+    PyObject_GC_Track(descr);
+    st->save_descr = (PyObject *)descr;
+    if (descr->func == NULL) return -1;
+    if (loom__mount_save(st) < 0) return -1;
     return 0;
 }
 
@@ -304,6 +381,8 @@ static int loom_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->il_type);
     Py_VISIT(st->hook_type);
     Py_VISIT(st->tree_type);
+    Py_VISIT(st->save_descr);
+    Py_VISIT(st->save_fallback);
     return 0;
 }
 
@@ -321,6 +400,8 @@ static int loom_clear(PyObject *m) {
     Py_CLEAR(st->str_shape);
     Py_CLEAR(st->str_copy_);
     Py_CLEAR(st->str_make);
+    Py_CLEAR(st->save_descr);
+    Py_CLEAR(st->save_fallback);
     return 0;
 }
 

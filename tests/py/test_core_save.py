@@ -57,8 +57,31 @@ def test_save_returns_same_object(mlp_model, x16):
 def test_save_outside_trace_is_an_error():
     with pytest.raises(ValueError, match="inside a trace"):
         nnloom.save([])
-    with pytest.raises(ValueError, match="inside a trace"):
+    # the method form: ours, or another library's `object.save` we hand over to
+    with pytest.raises(ValueError, match="trace"):
         [].save()
+
+
+def test_coexists_with_nnsight(tmp_path):
+    """nnsight mounts its own object.save at import; both libraries' traces
+    must still save (whichever is imported first)."""
+    pytest.importorskip("nnsight")
+    code = """
+import torch, nnloom, nnsight
+net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+a = nnloom.NNsight(net)
+with a.trace(torch.randn(2, 4)):
+    h = a[0].output.save()
+a.unwrap()
+b = nnsight.NNsight(net)
+with b.trace(torch.randn(2, 4)):
+    g = b[0].output.save()
+print("OK", tuple(h.shape), tuple(g.shape))
+"""
+    for first, second in (("nnloom", "nnsight"), ("nnsight", "nnloom")):
+        src = code.replace("import torch, nnloom, nnsight", f"import torch, {first}, {second}")
+        r = subprocess.run([PY, "-c", src], capture_output=True, text=True, timeout=300)
+        assert "OK (2, 4) (2, 4)" in r.stdout, r.stderr[-2000:]
 
 
 def test_list_appended_in_body(mlp_model, x16):
