@@ -19,6 +19,7 @@
 #include <greenlet/greenlet.h>
 
 #include "../base/pybase.h"
+#include "../cuda/device.h"
 #include "interleave.h"
 
 /* ------------------------------------------------------------------------ */
@@ -606,7 +607,9 @@ static int loom__resume(loom_il *il, int32_t med) {
     }
     int32_t outer = il->current;
     il->current = med;
+    loom_cuda_range_push("nnloom.invoke");
     PyObject *r = PyGreenlet_Switch((PyGreenlet *)m->greenlet, NULL, NULL);
+    loom_cuda_range_pop();
     il->current = outer;
     if (r == NULL) {
         /* the worker itself broke (it never lets a body's error escape) */
@@ -676,7 +679,15 @@ int loom_il_boundary(loom_il *il, int32_t module, int32_t kind, PyObject **value
         m->served = loom__narrow(il, st, i, *value, 0);
         if (m->served == NULL) goto fail;
         PyObject *served = Py_NewRef(m->served); /* what the body was first handed */
+        if (loom_cuda_nvtx_enabled()) {
+            const char *path = PyUnicode_AsUTF8(PyList_GET_ITEM(il->paths, module));
+            loom_cuda_range_push(path ? path : "nnloom.handoff");
+            PyErr_Clear();
+        } else {
+            loom_cuda_range_push("nnloom.handoff");
+        }
         int rc = loom__resume(il, i);
+        loom_cuda_range_pop();
         if (m->replacement != NULL && rc >= 0) {
             PyObject *nv = loom__splice(il, st, i, *value, served, m->replacement, 0);
             if (nv == NULL) rc = -1;
@@ -1085,6 +1096,7 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
     il->prev = loom__tls_il;
     loom__tls_il = il;
     il->running = 1;
+    loom_cuda_range_push("nnloom.trace");
 
     /* 1. run each body up to its first request */
     for (int32_t i = 0; i < il->n_meds && !il->stopped; i++) {
@@ -1126,6 +1138,7 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     loom__abort_all(il);
+    loom_cuda_range_pop();
     il->running = 0;
     loom__tls_il = il->prev;
     il->prev = NULL;
@@ -1134,6 +1147,7 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
 fail:
     Py_CLEAR(result);
     loom__abort_all(il);
+    loom_cuda_range_pop();
     il->running = 0;
     loom__tls_il = il->prev;
     il->prev = NULL;

@@ -15,6 +15,8 @@ import pytest
 from nnloom import _C
 
 ROOT = Path(__file__).resolve().parents[2]
+# the nnloom this test imported (installed or in-tree), for the subprocesses
+PKG_PARENT = str(Path(_C.__file__).resolve().parents[1])
 
 
 def inject_library(tmp_path_factory):
@@ -47,7 +49,7 @@ def inject(tmp_path_factory):
 def run(code, inject, tmp_path, **env):
     log = tmp_path / "nvtx.log"
     e = dict(os.environ, NVTX_INJECTION64_PATH=inject, NNLOOM_NVTX_LOG=str(log),
-             PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([PKG_PARENT, os.environ.get("PYTHONPATH", "")]))
     e.update(env)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e,
                        capture_output=True, text=True, timeout=120)
@@ -109,3 +111,51 @@ def test_depth_in_process():
     _C.nvtx_push("manual")
     _C.nvtx_pop()
     assert _C.nvtx_depth() == d
+
+
+TRACE_PROGRAM = """
+    import torch, nnloom
+    from nnloom import _C
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    m = nnloom.NNsight(net)
+    with torch.no_grad(), m.trace(torch.randn(2, 4)):
+        h = m[0].output.save()
+        m[2].output[:] = 0
+    try:
+        with torch.no_grad(), m.trace(torch.randn(2, 4)):
+            m[2].output
+            m[0].output
+    except nnloom.OutOfOrderError:
+        pass
+    print(_C.nvtx_depth())
+"""
+
+
+def test_trace_invoke_and_handoff_ranges(inject, tmp_path):
+    lines, out = run(TRACE_PROGRAM, inject, tmp_path)
+    assert out.strip() == "0"
+    assert lines == [
+        "create nnloom",
+        # trace 1: the body starts, parks on model.0, is handed model.0 then model.2
+        "push nnloom nnloom.trace",
+        "push nnloom nnloom.invoke",
+        "pop nnloom",
+        "push nnloom model.0",
+        "push nnloom nnloom.invoke",
+        "pop nnloom",
+        "pop nnloom",
+        "push nnloom model.2",
+        "push nnloom nnloom.invoke",
+        "pop nnloom",
+        "pop nnloom",
+        "pop nnloom",
+        # trace 2: the out-of-order error unwinds through every range
+        "push nnloom nnloom.trace",
+        "push nnloom nnloom.invoke",
+        "pop nnloom",
+        "push nnloom model.2",
+        "push nnloom nnloom.invoke",
+        "pop nnloom",
+        "pop nnloom",
+        "pop nnloom",
+    ]
