@@ -135,6 +135,16 @@ static PyMethodDef loom__save_bound_def = {
 
 static int loom__mount_save(loom_modstate *st);
 
+/* The cyclic GC is paused while any trace runs (process-wide count, changed
+ * only under the GIL): a trace allocates a burst of short-lived containers
+ * (namespaces, argument tuples, views) that refcounting frees at its end; a
+ * collection in the middle would only promote them to older generations and
+ * trigger full collections of the whole heap later. NNLOOM_GC_PAUSE=0 keeps
+ * the GC running. */
+static LOOM_PARAM(GcPause, "NNLOOM_GC_PAUSE", 1)
+static int loom__traces_running;
+static int loom__gc_was_enabled;
+
 /* scope_enter(d): saves go to dict `d` until scope_exit(d). */
 static PyObject *loom_scope_enter(PyObject *mod, PyObject *d) {
     if (!PyDict_Check(d)) {
@@ -147,6 +157,8 @@ static PyObject *loom_scope_enter(PyObject *mod, PyObject *d) {
     }
     if (loom__mount_save(loom_state(mod)) < 0) return NULL;
     loom__scopes[loom__n_scopes++] = d;
+    if (loom__traces_running++ == 0 && loom_param_GcPause())
+        loom__gc_was_enabled = PyGC_Disable();
     Py_RETURN_NONE;
 }
 
@@ -157,6 +169,10 @@ static PyObject *loom_scope_exit(PyObject *mod, PyObject *d) {
         return NULL;
     }
     loom__scopes[--loom__n_scopes] = NULL;
+    if (--loom__traces_running == 0 && loom__gc_was_enabled) {
+        loom__gc_was_enabled = 0;
+        PyGC_Enable();
+    }
     Py_RETURN_NONE;
 }
 

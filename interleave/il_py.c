@@ -63,6 +63,7 @@ struct loom_il {
     int running;          /* inside run() */
     int aborting;         /* tearing mediators down */
     int stopped;          /* a body called stop() */
+    int32_t n_ready;      /* mediators a barrier released, not yet resumed */
     PyObject *weakreflist;
 };
 
@@ -626,11 +627,13 @@ static int loom__resume(loom_il *il, int32_t med) {
  * left. Returns how many ran (>= 0), or -1 / -2 - LOOM__STOP like resume. */
 static int loom__run_ready(loom_il *il) {
     int ran = 0;
+    if (LOOM_LIKELY(il->n_ready == 0)) return 0;
     for (int again = 1; again;) {
         again = 0;
         for (int32_t i = 0; i < il->n_meds; i++) {
             if (il->meds[i].blocked != LOOM__READY) continue;
             il->meds[i].blocked = 0;
+            il->n_ready--;
             int r = loom__resume(il, i);
             if (r < 0) return -1;
             if (r == LOOM__STOP) return -2 - LOOM__STOP;
@@ -976,6 +979,7 @@ static PyObject *loom_release(PyObject *mod, PyObject *arg) {
         return NULL;
     }
     il->meds[i].blocked = LOOM__READY;
+    il->n_ready++;
     Py_RETURN_NONE;
 }
 

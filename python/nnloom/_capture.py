@@ -11,6 +11,7 @@ so tracebacks point at the user's lines. The result is memoised per call site
 from __future__ import annotations
 
 import ast
+import copy
 import linecache
 import sys
 import types
@@ -25,9 +26,11 @@ class SourceError(ValueError):
 class Site:
     """One captured ``with`` block (shared by every run of that call site)."""
 
-    __slots__ = ("code", "first_line", "stores", "has_invokes", "trivial", "filename", "line")
+    __slots__ = ("code", "first_line", "stores", "has_invokes", "trivial", "filename", "line",
+                 "invokes")
 
-    def __init__(self, code, first_line, stores, has_invokes, trivial, filename, line):
+    def __init__(self, code, first_line, stores, has_invokes, trivial, filename, line,
+                 invokes=()):
         self.code: types.CodeType = code  # the body, compiled in "exec" mode
         self.first_line: int = first_line  # line of the body's first statement
         self.stores: tuple = stores  # names the body binds at its own level
@@ -35,6 +38,7 @@ class Site:
         self.trivial: bool = trivial  # only pass / docstrings / ...: nothing to skip
         self.filename: str = filename
         self.line: int = line
+        self.invokes: tuple = invokes  # Sites of the invoke blocks, compiled ahead
 
 
 _SITES: dict = {}  # (code object, line) -> Site
@@ -140,6 +144,58 @@ def _trivial(body) -> bool:
     return True
 
 
+INVOKE_HOOK = "__nnloom_invoke__"
+
+
+def _compile_body(body, filename, name, qualname):
+    module = ast.Module(body=body, type_ignores=[])
+    code = compile(module, filename, "exec", dont_inherit=True)
+    if hasattr(code, "co_qualname"):
+        return code.replace(co_name=name, co_qualname=qualname)
+    return code.replace(co_name=name)  # pragma: no cover - 3.10
+
+
+class _InvokeLifter(ast.NodeTransformer):
+    """Compiles each ``with <x>.invoke(...) [as y]:`` block of a trace body
+    ahead of time and replaces the statement with
+    ``[y =] __nnloom_invoke__(<x>.invoke(...), k)``: the body runs later as
+    the invoke's coroutine, so nothing has to stop it from running inline."""
+
+    def __init__(self, filename, name, qualname):
+        self.filename, self.name, self.qualname = filename, name, qualname
+        self.sites: list = []
+
+    # nested scopes keep their withs as they are (captured at run time)
+    def visit_FunctionDef(self, node):
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+    visit_ClassDef = visit_FunctionDef
+    visit_Lambda = visit_FunctionDef
+
+    def visit_With(self, node):
+        if not (_is_invoke(node) and len(node.items) == 1):
+            return self.generic_visit(node)
+        item = node.items[0]
+        first = node.body[0]
+        if first.lineno == node.lineno or isinstance(first, _TRY):
+            return node  # left to the run-time capture, which explains the error
+        k = len(self.sites)
+        code = _compile_body(node.body, self.filename, self.name, self.qualname)
+        self.sites.append(Site(code, first.lineno, _stores(node.body), False,
+                               _trivial(node.body), self.filename, node.lineno))
+        call = ast.Call(func=ast.Name(INVOKE_HOOK, ast.Load()),
+                        args=[item.context_expr, ast.Constant(k)], keywords=[])
+        if item.optional_vars is not None:
+            new = ast.Assign(targets=[item.optional_vars], value=call)
+        else:
+            new = ast.Expr(call)
+        return ast.copy_location(new, node)
+
+
+_TRY = (ast.Try,) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
+
+
 def capture(frame, what: str = "trace") -> Site:
     """The Site of the with block being entered in `frame` (memoised)."""
     key = (frame.f_code, frame.f_lineno)
@@ -160,20 +216,23 @@ def capture(frame, what: str = "trace") -> Site:
             f"the body of the {what} at {where} is written on the `with` line; "
             "start it on a line of its own below the `with`"
         )
-    if isinstance(first, (ast.Try,) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())):
+    if isinstance(first, _TRY):
         raise SourceError(
             f"the body of the {what} at {where} starts with `try:`; put another statement "
             "first (or move the try into a function called from the body)"
         )
-    module = ast.Module(body=node.body, type_ignores=[])
-    code = compile(module, filename, "exec", dont_inherit=True)
     name = frame.f_code.co_name
-    if hasattr(code, "co_qualname"):
-        code = code.replace(co_name=name, co_qualname=getattr(frame.f_code, "co_qualname", name))
-    else:  # pragma: no cover - 3.10
-        code = code.replace(co_name=name)
+    qualname = getattr(frame.f_code, "co_qualname", name)
     has_invokes = any(_is_invoke(n) for stmt in node.body for n in ast.walk(stmt))
+    body = node.body
+    invokes: tuple = ()
+    if has_invokes:
+        lifter = _InvokeLifter(filename, name, qualname)
+        body = [lifter.visit(copy.deepcopy(stmt)) for stmt in node.body]
+        body = [ast.fix_missing_locations(b) for b in body]
+        invokes = tuple(lifter.sites)
+    code = _compile_body(body, filename, name, qualname)
     site = Site(code, first.lineno, _stores(node.body), has_invokes, _trivial(node.body),
-                filename, frame.f_lineno)
+                filename, frame.f_lineno, invokes)
     _SITES[key] = site
     return site

@@ -18,7 +18,7 @@ import types
 from typing import Any
 
 from . import _C
-from ._capture import SourceError, capture
+from ._capture import INVOKE_HOOK, SourceError, capture
 
 __all__ = ["Tracer", "Invoker", "Barrier", "SourceError"]
 
@@ -189,6 +189,18 @@ class Barrier:
 # ---------------------------------------------------------------------------
 
 
+def _bind_invoke(inv: "Invoker", k: int) -> "Invoker":
+    """What a lifted ``with tracer.invoke(...):`` statement calls (see
+    _capture._InvokeLifter): register invoke block k of the running trace body
+    with the names visible at this point."""
+    tr = inv.tracer
+    if tr._state != "collecting":
+        inv._check_state()
+    inv.site = tr._site.invokes[k]
+    inv._record(sys._getframe(1))
+    return inv
+
+
 class Invoker(_C.ExitBase):
     """``with tracer.invoke(input):`` - one prompt group, one mediator."""
 
@@ -200,13 +212,22 @@ class Invoker(_C.ExitBase):
         self.ns = None
         self._skipper = None
 
-    def __enter__(self):
+    def _check_state(self):
         tr = self.tracer
         if tr._state != "collecting":
             if tr._state == "running":
                 raise ValueError("cannot invoke while the model runs: tracer.invoke(...) blocks "
                                  "belong at the top level of the trace body")
             raise ValueError("tracer.invoke(...) is only valid inside its trace's body")
+
+    def _record(self, frame):
+        # the invoke sees the names bound so far: objects shared, bindings its own
+        self.ns = ns = _snapshot(frame)
+        self.initial = {n: ns.get(n, _MISSING) for n in self.site.stores}
+        self.tracer._invokes.append(self)
+
+    def __enter__(self):
+        self._check_state()
         frame = sys._getframe(1)
         self.site = capture(frame, "invoke")
         self._frame = frame
@@ -223,10 +244,7 @@ class Invoker(_C.ExitBase):
         frame, self._frame = self._frame, None
         if et is not None and not issubclass(et, _Skip):
             return False
-        # the invoke sees the names bound so far: objects shared, bindings its own
-        self.ns = _snapshot(frame)
-        self.initial = {n: self.ns.get(n, _MISSING) for n in self.site.stores}
-        self.tracer._invokes.append(self)
+        self._record(frame)
         return True
 
     def _user_traceback(self, exc):
@@ -310,6 +328,7 @@ class Tracer(_C.ExitBase):
         try:
             if site.has_invokes:
                 self._state = "collecting"
+                ns[INVOKE_HOOK] = _bind_invoke
                 exec(site.code, ns)
                 invokes = self._invokes
                 if self._args or self._kwargs:
