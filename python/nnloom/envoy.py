@@ -25,6 +25,11 @@ _OUT, _INS, _IN = 0, 1, 2
 _FRESH = 8  # ask for the next occurrence even while one is being served
 _request = _C.request
 _assign = _C.assign
+_INVOKE_NAMES = [f"invoke {i}" for i in range(1024)]
+
+
+def _invoke_name(i: int) -> str:
+    return _INVOKE_NAMES[i] if i < len(_INVOKE_NAMES) else f"invoke {i}"
 
 
 class Envoy:
@@ -220,19 +225,26 @@ class NNsight(Envoy):
                          method_kwargs: dict | None = None):
         """Run the bodies [(code, ns, args, kwargs)] with one batched call of
         the module (or of its `method`, e.g. generate)."""
-        plan = plan_batch(self._batcher, [(a, k) for _, _, a, k in bodies])
-        il = _C.Interleaver(self._tree, self._tree.paths, plan.batch_size)
-        for i, (code, ns, _, _) in enumerate(bodies):
-            start, size = plan.rows[i]
-            il.add(code, ns, start, size, f"invoke {i}")
+        tree = self._tree
+        if len(bodies) == 1 and self._batcher is None:
+            # one invoke on a plain module: it sees the whole batch, as given
+            code, ns, args, kwargs = bodies[0]
+            il = _C.Interleaver(tree, tree.paths, 1)
+            il.add(code, ns, -1, 0, _INVOKE_NAMES[0])
+        else:
+            plan = plan_batch(self._batcher, [(a, k) for _, _, a, k in bodies])
+            il = _C.Interleaver(tree, tree.paths, plan.batch_size)
+            for i, (code, ns, _, _) in enumerate(bodies):
+                start, size = plan.rows[i]
+                il.add(code, ns, start, size, _invoke_name(i))
+            args, kwargs = plan.args, plan.kwargs
         fn = self._module if method is None else getattr(self._module, method)
-        kwargs = plan.kwargs
         if method_kwargs:
             kwargs = dict(kwargs)
             if method == "generate":
                 kwargs.pop("position_ids", None)  # generate derives them from the mask
             kwargs.update(method_kwargs)
-        return il.run(fn, plan.args, kwargs)
+        return il.run(fn, args, kwargs)
 
     def unwrap(self) -> torch.nn.Module:
         """Remove nnloom from the module, leaving it exactly as it was."""
