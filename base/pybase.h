@@ -28,6 +28,7 @@ typedef struct {
     PyObject *str_shape;              /* interned "shape" */
     PyObject *str_copy_;              /* interned "copy_" */
     PyObject *str_make;               /* interned "_make" */
+    PyObject *collect;                /* collect/: its context object (strong) */
 } loom_modstate;
 
 /* The module definition (bind/module.c). */

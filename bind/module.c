@@ -301,6 +301,7 @@ static int loom_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->il_type);
     Py_VISIT(st->hook_type);
     Py_VISIT(st->tree_type);
+    Py_VISIT(st->collect);
     return 0;
 }
 
@@ -318,6 +319,7 @@ static int loom_clear(PyObject *m) {
     Py_CLEAR(st->str_shape);
     Py_CLEAR(st->str_copy_);
     Py_CLEAR(st->str_make);
+    Py_CLEAR(st->collect);
     return 0;
 }
 
