@@ -315,7 +315,76 @@ def loads(data, *, allow=()):
         raise PayloadError(f"payload is malformed: {type(exc).__name__}: {exc}") from exc
 
 
+# ---------------------------------------------------------------------------
+# Merging per-request saves
+# ---------------------------------------------------------------------------
+
+_SLOTTED = (list, tuple)
+
+
+def _merge(early, late):
+    """One value from two requests' copies of it, the later winning conflicts."""
+    if type(early) is type(late) and type(late) in _SLOTTED and len(early) == len(late):
+        out = [
+            a if b is None else b if a is None else _merge(a, b)
+            for a, b in zip(early, late)
+        ]
+        return out if type(late) is list else tuple(out)
+    if type(early) is type(late) and type(late) in (dict, collections.OrderedDict):
+        out = type(late)(early)
+        for key, b in late.items():
+            out[key] = _merge(out[key], b) if key in out else b
+        return out
+    return late
+
+
+def merge_shared_saves(mediators, per_request_saves):
+    """Merge same-name saves across the requests of one multi-invoke trace.
+
+    Locally, a name bound and saved above the invokes (``rows = [None] * n;
+    rows.save()``) is ONE object every invoke writes into. In request mode
+    each request carries its own copy back; this rebuilds the one object.
+
+    Mediator protocol: each object in ``mediators`` has
+
+    - ``presaved``: a set of the names bound and saved above the invokes;
+    - ``scope``: a dict name -> value, into which the merged value of every
+      merged name is written (so results read the same whichever mediator
+      they are pushed from).
+
+    ``per_request_saves`` is a list, one dict name -> value per request, in
+    request order.
+
+    Only presaved names that more than one request returned are merged:
+    lists and tuples of the same length slot by slot, ``None`` meaning "not
+    written"; dicts by key union; nested containers recursively; anything
+    else, and any slot several requests wrote, keeps the later request's copy.
+    Names an invoke saved for itself are not merged (they are separate values,
+    one per invoke): the caller returns those per invoke.
+
+    Returns the merged values by name. They are new containers: the caller
+    marks them saved again.
+    """
+    presaved = set()
+    for med in mediators:
+        presaved.update(med.presaved)
+    merged = {}
+    names = [n for saves in per_request_saves for n in saves if n in presaved]
+    for name in dict.fromkeys(names):  # first-seen order
+        copies = [saves[name] for saves in per_request_saves if name in saves]
+        if len(copies) < 2:
+            continue
+        value = copies[0]
+        for later in copies[1:]:
+            value = _merge(value, later)
+        merged[name] = value
+    for med in mediators:
+        med.scope.update(merged)
+    return merged
+
+
 __all__ = [
+    "merge_shared_saves",
     "dumps_compact",
     "loads",
     "RestrictedUnpickler",
