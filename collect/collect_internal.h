@@ -18,6 +18,7 @@
 #define LOOM_COLLECT__REFS(X)                                                  \
     X(pickler_type)   /* nnloom._C.CompactPickler (subclass of _pickle.Pickler) */ \
     X(deferred_type)  /* nnloom._C._Deferred */                                \
+    X(block_type)     /* nnloom._C._ArenaBlock */                              \
     X(bytesio)        /* io.BytesIO */                                         \
     X(picklebuffer)   /* pickle.PickleBuffer */                                \
     X(from_buffer)    /* torch.UntypedStorage.from_buffer */                   \
@@ -61,7 +62,8 @@ int loom_collect__pickle_init(PyObject *m, loom_collect__ctx *ctx);
  * exception set. `ctx` borrowed. */
 PyObject *loom_collect__dumps_compact(loom_collect__ctx *ctx, PyObject *value);
 
-/* arena_py.c: register the arena types on `m`. -1 with an exception set. */
-int loom_collect__arena_init(PyObject *m);
+/* arena_py.c: register the arena types on `m`, keep the block type in
+ * `ctx`. -1 with an exception set. */
+int loom_collect__arena_init(PyObject *m, loom_collect__ctx *ctx);
 
 #endif /* LOOM_COLLECT_INTERNAL_H */

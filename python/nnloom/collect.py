@@ -25,6 +25,44 @@ PayloadError = _C.PayloadError
 CompactPickler = _C.CompactPickler
 
 
+class ArenaReader(_C.ArenaReader):
+    """The parent's end of a shared-memory arena (it creates and unlinks it).
+
+    ``ArenaReader(slots=4, slot_size=64 MiB, zero_copy=True, name=None)``:
+    ``slots`` segments of ``slot_size`` bytes; one committed unit fills one
+    segment. A worker attaches with ``ArenaWriter(reader.name)``.
+
+    - ``next_unit(timeout=10.0) -> (span, nbytes)``: wait for the next
+      committed unit; ``TimeoutError`` after ``timeout``, ``RuntimeError`` at
+      once if the writer process is gone.
+    - ``read_binary(offset, nbytes) -> memoryview`` of exactly ``nbytes``.
+      With ``zero_copy=True`` (segment pool) it aliases shared memory, and
+      the segment is not reused while anything still holds an export of it:
+      slices and casts of the view, numpy arrays on it, ``torch.frombuffer``
+      storages. With ``zero_copy=False`` (ring) the bytes are copied out.
+    - ``end_unit(span, anchors=None)``: the unit is done: read, failed to
+      load, or skipped; call it exactly once per unit. Logical only: live
+      views stay valid, the segment returns to the writer with the last one.
+    - ``reset()``: start a new iteration: ends units taken and not ended.
+    - ``close()``: unlink the region (the mapping lives on under live views).
+    """
+
+
+class ArenaWriter(_C.ArenaWriter):
+    """A worker's end of a shared-memory arena.
+
+    ``ArenaWriter(name, timeout=10.0)``:
+
+    - ``write_binary(data) -> offset``: copy a bytes-like object into the
+      open unit. When every segment is held by the reader it waits, up to
+      ``timeout`` seconds (then ``TimeoutError``); it never overwrites, and it
+      fails at once with ``RuntimeError`` if the reader process is gone. A
+      unit larger than a segment raises ``nnloom.PoolExhaustedError``.
+    - ``commit_unit() -> span``: publish the open unit; send ``span`` and the
+      offsets to the reader through your own channel.
+    """
+
+
 def dumps_compact(value) -> bytes:
     """Pickle ``value``, writing each tensor as a copy of only its own elements.
 
@@ -384,6 +422,8 @@ def merge_shared_saves(mediators, per_request_saves):
 
 
 __all__ = [
+    "ArenaReader",
+    "ArenaWriter",
     "merge_shared_saves",
     "dumps_compact",
     "loads",
