@@ -30,6 +30,7 @@ typedef struct {
     PyObject *str_make;               /* interned "_make" */
     PyObject *save_descr;             /* our `object.save` descriptor */
     PyObject *save_fallback;          /* the `object.save` we displaced (another library's), or NULL */
+    PyObject *collect;                /* collect/: its context object (strong) */
 } loom_modstate;
 
 /* The module definition (bind/module.c). */

@@ -399,6 +399,7 @@ static int loom_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->tree_type);
     Py_VISIT(st->save_descr);
     Py_VISIT(st->save_fallback);
+    Py_VISIT(st->collect);
     return 0;
 }
 
@@ -418,6 +419,7 @@ static int loom_clear(PyObject *m) {
     Py_CLEAR(st->str_make);
     Py_CLEAR(st->save_descr);
     Py_CLEAR(st->save_fallback);
+    Py_CLEAR(st->collect);
     return 0;
 }
 
