@@ -7,11 +7,14 @@
 """
 
 from . import _C
-from ._C import MissedProviderError, NNloomError, OutOfOrderError, save
+from ._C import (DeviceError, MissedProviderError, NNloomError, OutOfOrderError, PayloadError,
+                 PoolExhaustedError, UnsafePayloadError, save)
 from ._capture import SourceError
 from .batching import Batcher, TensorBatcher
 from .envoy import Envoy, NNsight
 from .language import LanguageModel, TextBatcher
+from .requests import Requests
+from . import collect
 from .tracing import Barrier, Invoker, Tracer
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "LanguageModel",
     "TextBatcher",
     "Barrier",
+    "Requests",
+    "collect",
     "Envoy",
     "Tracer",
     "Invoker",
@@ -28,6 +33,10 @@ __all__ = [
     "NNloomError",
     "OutOfOrderError",
     "MissedProviderError",
+    "UnsafePayloadError",
+    "PayloadError",
+    "PoolExhaustedError",
+    "DeviceError",
     "SourceError",
 ]
 

@@ -212,14 +212,19 @@ class NNsight(Envoy):
 
     # -- tracing -----------------------------------------------------------------
 
-    def trace(self, *args, trace: bool = True, **kwargs):
+    def trace(self, *args, trace: bool = True, backend=None, **kwargs):
         """``with model.trace(input) as tracer:`` - see :class:`nnloom.Tracer`.
 
         ``trace=False`` runs the model plainly and returns its output.
+        ``backend="requests"`` (or ``nnloom.Requests(processes=N)``) runs each
+        invoke as its own request and merges what they saved.
         """
         if not trace:
             return self._module(*args, **kwargs)
-        return Tracer(self, args, kwargs)
+        if backend is not None and backend != "requests" and not hasattr(backend, "processes"):
+            raise ValueError(f"unknown backend {backend!r}: use \"requests\" or "
+                             "nnloom.Requests(processes=N)")
+        return Tracer(self, args, kwargs, backend=backend)
 
     def _run_interleaved(self, bodies: list, method: str | None = None,
                          method_kwargs: dict | None = None):

@@ -264,8 +264,10 @@ class Tracer(_C.ExitBase):
     """
 
     def __init__(self, model, args: tuple, kwargs: dict, method: str | None = None,
-                 method_kwargs: dict | None = None, steps: int = 1):
+                 method_kwargs: dict | None = None, steps: int = 1, backend: Any = None):
         self.model = model
+        self._backend = backend  # None: local; "requests" / nnloom.Requests: request mode
+        self.requests = None  # request mode: each request's payload (name -> value)
         self._args = args
         self._kwargs = kwargs
         self._method = method  # e.g. "generate": what runs instead of forward
@@ -344,7 +346,22 @@ class Tracer(_C.ExitBase):
                 bodies = [(site.code, ns, self._args, self._kwargs)]
             self._codes = tuple(codes)
             self._state = "running"
-            self.output = self.model._run_interleaved(bodies, self._method, self._method_kwargs)
+            if self._backend is not None:
+                if not site.has_invokes:
+                    raise ValueError("request mode runs each `tracer.invoke(...)` block as a "
+                                     "request: put the input in invoke blocks")
+                from .requests import run_requests
+
+                self.output, pushed = run_requests(self, self._backend, ns, saved)
+                for v in pushed.values():
+                    saved[id(v)] = v
+                # the merged values replace what the requests' copies came from
+                for inv in self._invokes:
+                    inv.ns = pushed
+                ns.update({k: v for k, v in pushed.items() if k in ns})
+            else:
+                self.output = self.model._run_interleaved(bodies, self._method,
+                                                          self._method_kwargs)
         except _C.StopTrace:
             pass  # stop() before any invoke: nothing ran
         finally:
