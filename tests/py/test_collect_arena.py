@@ -17,7 +17,9 @@ CTX = mp.get_context("spawn")
 
 
 def _shm_names():
-    return set(glob.glob("/dev/shm/nnloom-*"))
+    # only this process's regions: other runs on the machine may hold theirs;
+    # regions created by children are checked by name in their tests
+    return set(glob.glob(f"/dev/shm/nnloom-{os.getpid()}-*"))
 
 
 @pytest.fixture(autouse=True)
