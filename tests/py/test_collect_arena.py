@@ -17,7 +17,8 @@ CTX = mp.get_context("spawn")
 
 
 def _shm_names():
-    # this process's segments only: other test runs may share /dev/shm
+    # only this process's regions: other runs on the machine may hold theirs;
+    # regions created by children are checked by name in their tests
     return set(glob.glob(f"/dev/shm/nnloom-{os.getpid()}-*"))
 
 
