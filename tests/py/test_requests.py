@@ -133,3 +133,68 @@ def test_request_mode_needs_invokes(model):
 def test_unknown_backend(model):
     with pytest.raises(ValueError, match="unknown backend"):
         model.trace(backend="remote")
+
+
+# ---- worker processes ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers():
+    be = nnloom.Requests(processes=2, timeout=120)
+    yield be
+    be.close()
+
+
+@pytest.mark.parametrize("k", [0, 3, 7, 11, 19])
+def test_worker_processes_equal_local(model, programs, workers, k):
+    g = torch.Generator().manual_seed(k)
+    xs = [torch.randn(2, 8, generator=g) for _ in range(4)]
+    prog = getattr(programs, f"prog_{k}")
+    local = prog(model, xs, None)
+    remote = prog(model, xs, workers)
+    _same(local, remote, f"prog_{k} in worker processes")
+
+
+def test_worker_error_reaches_caller(model, workers):
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    with pytest.raises(KeyError) as ei:
+        with torch.no_grad(), model.trace(backend=workers) as tracer:
+            out = nnloom.save([None] * 3)
+            for i, x in enumerate(xs):
+                with tracer.invoke(x):
+                    out[i] = model.layers[1].output
+                    if i == 2:
+                        {}["missing in a worker"]
+    assert "out" not in locals()
+    cause = ei.value.__cause__
+    assert isinstance(cause, nnloom._workers.WorkerError)
+    assert "missing in a worker" in str(cause) and "Traceback" in str(cause)
+
+
+def test_worker_killed_is_a_clear_error(model):
+    be = nnloom.Requests(processes=1, timeout=60)
+    try:
+        x = torch.randn(2, 8)
+        with torch.no_grad(), model.trace(backend=be) as tracer:
+            with tracer.invoke(x):
+                a = model.layers[0].output.save()
+        proc = be._pool.workers[0][0]
+        proc.kill()
+        proc.join(timeout=10)
+        with pytest.raises(RuntimeError, match="died|broken|reset"):
+            with torch.no_grad(), model.trace(backend=be) as tracer:
+                with tracer.invoke(x):
+                    b = model.layers[0].output.save()
+    finally:
+        be.close()
+
+
+def test_unpicklable_name_is_a_clear_error(model, workers):
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot send lock"):
+        with torch.no_grad(), model.trace(backend=workers) as tracer:
+            with tracer.invoke(torch.randn(2, 8)):
+                with lock:
+                    model.layers[0].output.save()
