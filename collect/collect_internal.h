@@ -66,4 +66,8 @@ PyObject *loom_collect__dumps_compact(loom_collect__ctx *ctx, PyObject *value);
  * `ctx`. -1 with an exception set. */
 int loom_collect__arena_init(PyObject *m, loom_collect__ctx *ctx);
 
+/* During one dumps_compact call on this thread: id(tensor) -> host tensor
+ * holding its compact bytes (borrowed dict), or NULL. */
+extern _Thread_local PyObject *loom_collect__substitutes;
+
 #endif /* LOOM_COLLECT_INTERNAL_H */

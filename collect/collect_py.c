@@ -66,17 +66,29 @@ loom_collect__ctx *loom_collect__ctx_of(PyTypeObject *defining_class) {
 /* Module functions                                                           */
 /* ------------------------------------------------------------------------ */
 
-static PyObject *loom_collect_dumps_compact_py(PyObject *m, PyObject *value) {
+/* dumps_compact(value, substitutes=None): `substitutes` maps id(tensor) to a
+ * host tensor already holding its compact bytes (staged through cuda/'s
+ * pinned pool), written instead of copying the tensor again. */
+static PyObject *loom_collect_dumps_compact_py(PyObject *m, PyObject *const *args,
+                                               Py_ssize_t nargs) {
     loom_modstate *st = loom_state(m);
     if (st->collect == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "nnloom._C: collect/ is not initialised");
         return NULL;
     }
-    return loom_collect__dumps_compact((loom_collect__ctx *)st->collect, value);
+    if (nargs < 1 || nargs > 2 || (nargs == 2 && args[1] != Py_None && !PyDict_Check(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "dumps_compact(value, substitutes: dict | None = None)");
+        return NULL;
+    }
+    PyObject *outer = loom_collect__substitutes;
+    loom_collect__substitutes = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    PyObject *r = loom_collect__dumps_compact((loom_collect__ctx *)st->collect, args[0]);
+    loom_collect__substitutes = outer;
+    return r;
 }
 
 static PyMethodDef loom_collect__functions[] = {
-    {"dumps_compact", loom_collect_dumps_compact_py, METH_O,
+    {"dumps_compact", (PyCFunction)(void (*)(void))loom_collect_dumps_compact_py, METH_FASTCALL,
      "dumps_compact(value) -> bytes: pickle value, each tensor as a compact copy of its own "
      "elements."},
     {NULL, NULL, 0, NULL},

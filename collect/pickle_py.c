@@ -168,6 +168,9 @@ static long long loom_collect__int_method(PyObject *obj, PyObject *name) {
  * contiguous batch are one cudaMemcpyAsync), record one event, and hand back
  * a host view of the block; the pickler then waits on that event once, before
  * the first byte is written, instead of one synchronous copy per tensor. */
+_Thread_local PyObject *loom_collect__substitutes;
+
+/* A device tensor nobody staged ahead: a plain (synchronous) copy. */
 static PyObject *loom_collect__stage_to_host(loom_collect__ctx *ctx, PyObject *t) {
     return PyObject_CallMethodNoArgs(t, LOOM_CREF(ctx, a_cpu));
 }
@@ -193,7 +196,19 @@ static PyObject *loom_collect__reduce_tensor(loom_collect__ctx *ctx, PyObject *t
         goto exit;
     }
 
-    /* device: bring to the host (hook point for cuda/ staging) */
+    /* staged ahead (cuda/'s pinned pool, one event per payload): write that */
+    if (loom_collect__substitutes != NULL) {
+        PyObject *key = PyLong_FromVoidPtr(t);
+        if (key == NULL) goto fail;
+        PyObject *host = PyDict_GetItemWithError(loom_collect__substitutes, key); /* borrowed */
+        Py_DECREF(key);
+        if (host == NULL && PyErr_Occurred()) goto fail;
+        if (host != NULL) {
+            Py_SETREF(src, Py_NewRef(host));
+            goto on_host;
+        }
+    }
+    /* device: bring to the host */
     tmp = PyObject_GetAttr(t, LOOM_CREF(ctx, a_device));
     if (tmp == NULL) goto fail;
     PyObject *dev_type = PyObject_GetAttr(tmp, LOOM_CREF(ctx, a_type));
@@ -205,6 +220,7 @@ static PyObject *loom_collect__reduce_tensor(loom_collect__ctx *ctx, PyObject *t
         Py_SETREF(src, loom_collect__stage_to_host(ctx, t));
         if (src == NULL) goto fail;
     }
+on_host:;
     /* lazy conjugate / negative bits: write the values they stand for */
     int conj = loom_collect__flag(src, LOOM_CREF(ctx, a_is_conj), 1);
     int neg = conj < 0 ? -1 : loom_collect__flag(src, LOOM_CREF(ctx, a_is_neg), 1);

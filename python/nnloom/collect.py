@@ -63,7 +63,7 @@ class ArenaWriter(_C.ArenaWriter):
     """
 
 
-def dumps_compact(value) -> bytes:
+def dumps_compact(value, *, pool=None) -> bytes:
     """Pickle ``value``, writing each tensor as a copy of only its own elements.
 
     A tensor that views a larger storage (a row narrowed out of a batch, a
@@ -81,8 +81,62 @@ def dumps_compact(value) -> bytes:
     which :func:`loads` refuses.
 
     The bytes load with plain :func:`pickle.loads` wherever torch is importable.
+
+    CUDA tensors are staged in one call through a pinned host pool
+    (``nnloom._C.PinnedPool``): compacted on a copy stream, one event for the
+    whole payload, the host waiting once. ``pool=`` stages every tensor
+    (device or not) through the given pool.
     """
-    return _C.dumps_compact(value)
+    if pool is None and not _cuda_ready():
+        return _C.dumps_compact(value)
+    tensors = _find_tensors(value, every=pool is not None)
+    if not tensors:
+        return _C.dumps_compact(value)
+    if pool is None:
+        pool = _device_pool()
+    # one staging call, one event for the whole payload; the host waits here
+    host = pool.stage(tensors).tensors()
+    return _C.dumps_compact(value, {id(t): h for t, h in zip(tensors, host)})
+
+
+_POOL = []
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _device_pool():
+    """The process's pinned pool for payload staging (created on first use)."""
+    if not _POOL:
+        _POOL.append(_C.PinnedPool())
+    return _POOL[0]
+
+
+class _Finder(pickle.Pickler):
+    """A pickling pass that only lists the payload's tensors (the pickler's own
+    traversal: wherever they sit, each once)."""
+
+    def __init__(self, every: bool):
+        super().__init__(io.BytesIO(), protocol=5)
+        self.every = every
+        self.found: list = []
+
+    def reducer_override(self, obj):
+        if type(obj) in (torch.Tensor, torch.nn.Parameter):
+            if obj.layout == torch.strided and (self.every or obj.device.type == "cuda"):
+                self.found.append(obj)
+            return (tuple, ())
+        return NotImplemented
+
+    def persistent_id(self, obj):
+        return None
+
+
+def _find_tensors(value, every: bool) -> list:
+    f = _Finder(every)
+    f.dump(value)
+    return f.found
 
 
 # ---------------------------------------------------------------------------

@@ -193,3 +193,30 @@ def test_compact_pickler_class_usable_directly():
     p.dump(row)
     assert len(buf.getvalue()) < 50 * 4 + 1024
     check_tensor(pickle.loads(buf.getvalue()), row)
+
+
+def test_staged_through_pinned_pool_equals_direct():
+    """The staging path (the one CUDA tensors take) gives the same payload
+    contents, here through the pool's CPU implementation."""
+    import pickle
+
+    from nnloom import _C, collect
+
+    batch = torch.randn(16, 8, 4)
+    value = {"row": batch[3], "col": batch[:, 2], "again": batch[3], "n": 1}
+    value["alias"] = value["row"]
+    pool = _C.PinnedPool(events="cpu")
+    before = pool.stats()
+    staged = pickle.loads(collect.dumps_compact(value, pool=pool))
+    direct = pickle.loads(collect.dumps_compact(value))
+    assert staged.keys() == direct.keys()
+    for k in ("row", "col", "again", "alias"):
+        assert torch.equal(staged[k], direct[k]), k
+    assert staged["alias"] is staged["row"]
+    assert staged["n"] == 1
+    del staged
+    import gc
+
+    gc.collect()
+    after = pool.stats()
+    assert after["bytes_leased"] == before["bytes_leased"]  # blocks went back
