@@ -1068,11 +1068,17 @@ static void loom__release(loom_il *il) {
     Py_CLEAR(il->home);
 }
 
-/* il.run(fn, args: tuple, kwargs: dict) -> fn's result (None when a body
+/* il.run(fn, args: tuple, kwargs: dict, result_module=-1) -> fn's result
+ * (None when a body
  * stopped the forward). Runs every body interleaved with fn(*args, **kwargs). */
 static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "run(fn, args: tuple, kwargs: dict)");
+    long result_module = -1;
+    if (nargs == 4 && (result_module = PyLong_AsLong(args[3])) == -1 && PyErr_Occurred())
+        return NULL;
+    if (nargs < 3 || nargs > 4 || !PyTuple_Check(args[1]) || !PyDict_Check(args[2]) ||
+        result_module >= (long)PyList_GET_SIZE(il->paths)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run(fn, args: tuple, kwargs: dict, result_module: int = -1)");
         return NULL;
     }
     if (il->running || il->home != NULL) {
@@ -1117,6 +1123,15 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     if (result == NULL) result = Py_NewRef(Py_None);
+    /* the whole call's result is one more boundary (tracer.result in a body) */
+    else if (result_module >= 0 && !il->stopped &&
+             loom_sched_has_waiters(s, (int32_t)result_module, LOOM_KIND_OUTPUT)) {
+        if (loom_il_boundary(il, (int32_t)result_module, LOOM_KIND_OUTPUT, &result) < 0) {
+            if (!(il->stopped && PyErr_ExceptionMatches(st->StopTrace))) goto fail;
+            PyErr_Clear();
+            result = Py_NewRef(Py_None);
+        }
+    }
     /* 3. requests the forward never served raise in their bodies */
     if (!il->stopped) {
         for (int32_t i = loom_sched_next_missed(s, 0), guard = 0; i >= 0 && guard < 4 * il->n_meds + 8;

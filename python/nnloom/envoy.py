@@ -207,6 +207,9 @@ class NNsight(Envoy):
         super().__init__(module, root, tree, 0, root_kids)
         d = self.__dict__
         d["_batcher"] = batcher
+        # one boundary past the modules: the traced call's result (tracer.result)
+        d["_paths"] = paths + [f"{root}.result"]
+        d["_result_index"] = len(paths)
         d["_finalizer"] = weakref.finalize(self, tree.uninstall)
         del envoys
 
@@ -234,11 +237,11 @@ class NNsight(Envoy):
         if len(bodies) == 1 and self._batcher is None:
             # one invoke on a plain module: it sees the whole batch, as given
             code, ns, args, kwargs = bodies[0]
-            il = _C.Interleaver(tree, tree.paths, 1)
+            il = _C.Interleaver(tree, self._paths, 1)
             il.add(code, ns, -1, 0, _INVOKE_NAMES[0])
         else:
             plan = plan_batch(self._batcher, [(a, k) for _, _, a, k in bodies])
-            il = _C.Interleaver(tree, tree.paths, plan.batch_size)
+            il = _C.Interleaver(tree, self._paths, plan.batch_size)
             for i, (code, ns, _, _) in enumerate(bodies):
                 start, size = plan.rows[i]
                 il.add(code, ns, start, size, _invoke_name(i))
@@ -249,7 +252,7 @@ class NNsight(Envoy):
             if method == "generate":
                 kwargs.pop("position_ids", None)  # generate derives them from the mask
             kwargs.update(method_kwargs)
-        return il.run(fn, args, kwargs)
+        return il.run(fn, args, kwargs, self._result_index)
 
     def unwrap(self) -> torch.nn.Module:
         """Remove nnloom from the module, leaving it exactly as it was."""

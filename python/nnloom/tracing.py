@@ -398,7 +398,14 @@ class Tracer(_C.ExitBase):
 
     @property
     def result(self) -> Any:
-        """What the traced call returned (generated ids for ``generate``)."""
+        """What the traced call returned (generated ids for ``generate``).
+
+        Inside an invoke's body this waits for the call to finish and gives
+        the invoke's rows of its result; after the trace it is the result."""
+        if _C.current_invoke() >= 0:
+            m = self.model
+            _C.set_iteration(0)  # the call ends once, whatever step the body is at
+            return _C.request(m._tree, m._result_index, 0)
         return self.output
 
     @property

@@ -93,3 +93,25 @@ def test_batched_generate_equals_separate(lm, parts):
                 pass
     for i in range(2):
         assert tracer.result[i, -3:].tolist() == refs[i].tolist()
+
+
+def test_result_inside_the_body(lm, parts):
+    ref_ids, _ = _hf_generate(parts, "The Eiffel", 3)
+    with torch.no_grad(), lm.generate("The Eiffel", max_new_tokens=3, min_new_tokens=3,
+                                      do_sample=False) as tracer:
+        for step in tracer.all():
+            lm.transformer.h[1].output[0].sum()
+        ids = nnloom.save(tracer.result)  # waits for generate to return
+    assert torch.equal(ids, ref_ids)
+
+
+def test_result_rows_per_invoke(lm, parts):
+    refs = [_hf_generate(parts, p, 2)[0][0, -2:] for p in ("Hi", "The Eiffel")]
+    with torch.no_grad(), lm.generate(max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        ids = nnloom.save([None, None])
+        for i, p in enumerate(("Hi", "The Eiffel")):
+            with tracer.invoke(p):
+                ids[i] = tracer.result
+    assert ids[0].shape[0] == 1 and ids[1].shape[0] == 1
+    for i in range(2):
+        assert ids[i][0, -2:].tolist() == refs[i].tolist()
