@@ -454,7 +454,7 @@ class Tracer(_C.ExitBase):
             co = t.tb_frame.f_code
             if co in codes:
                 started = True
-            if started and not _is_internal(co):
+            if started and (co in codes or not _is_internal(co)):
                 entries.append(t)
             t = t.tb_next
         if not started:
