@@ -70,4 +70,7 @@ int loom_collect__arena_init(PyObject *m, loom_collect__ctx *ctx);
  * holding its compact bytes (borrowed dict), or NULL. */
 extern _Thread_local PyObject *loom_collect__substitutes;
 
+/* Register merge_all (merge_py.c). -1 with an exception set. */
+int loom_collect__merge_init(PyObject *m);
+
 #endif /* LOOM_COLLECT_INTERNAL_H */

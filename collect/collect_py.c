@@ -107,5 +107,6 @@ int loom_collect_module_init(PyObject *m) {
     if (loom_collect__pickle_init(m, ctx) < 0) return -1;
     if (PyModule_AddFunctions(m, loom_collect__functions) < 0) return -1;
     if (loom_collect__arena_init(m, ctx) < 0) return -1;
+    if (loom_collect__merge_init(m) < 0) return -1;
     return 0;
 }

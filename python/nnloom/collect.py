@@ -466,10 +466,7 @@ def merge_shared_saves(mediators, per_request_saves):
         copies = [saves[name] for saves in per_request_saves if name in saves]
         if len(copies) < 2:
             continue
-        value = copies[0]
-        for later in copies[1:]:
-            value = _merge(value, later)
-        merged[name] = value
+        merged[name] = _C.merge_all(copies)  # _merge folded over the copies, in C
     for med in mediators:
         med.scope.update(merged)
     return merged

@@ -112,3 +112,42 @@ def test_three_requests_in_order():
         meds, [{"x": {"k": 1, "a": 0}}, {"x": {"k": 2}}, {"x": {"k": 3, "z": 9}}]
     )
     assert merged["x"] == {"k": 3, "a": 0, "z": 9}
+
+
+def test_merge_all_equals_pairwise_fold():
+    """The C fold (merge_all) gives what folding the reference pairwise merge
+    over the copies gives, on generated nested values."""
+    import random
+
+    from nnloom import _C
+    from nnloom.collect import _merge
+
+    rng = random.Random(7)
+
+    def value(depth=0):
+        k = rng.random()
+        if depth < 3 and k < 0.3:
+            return [value(depth + 1) if rng.random() < 0.5 else None for _ in range(3)]
+        if depth < 3 and k < 0.45:
+            return tuple(value(depth + 1) if rng.random() < 0.5 else None for _ in range(2))
+        if depth < 3 and k < 0.65:
+            return {rng.choice("abc"): value(depth + 1) for _ in range(rng.randint(0, 3))}
+        return rng.choice([None, 1, 2.5, "s", (1,), [None]])
+
+    for _ in range(400):
+        shape = value()
+        copies = [value() if rng.random() < 0.3 else _mutate(shape, rng) for _ in range(rng.randint(1, 6))]
+        want = copies[0]
+        for later in copies[1:]:
+            want = _merge(want, later)
+        assert _C.merge_all(list(copies)) == want, copies
+
+
+def _mutate(v, rng):
+    if isinstance(v, list):
+        return [_mutate(x, rng) if rng.random() < 0.5 else None for x in v]
+    if isinstance(v, tuple):
+        return tuple(_mutate(x, rng) if rng.random() < 0.5 else None for x in v)
+    if isinstance(v, dict):
+        return {k: _mutate(x, rng) for k, x in v.items() if rng.random() < 0.7}
+    return rng.choice([v, None, 9])
