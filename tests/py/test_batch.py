@@ -205,9 +205,18 @@ def _alone(lm_parts, prompt):
     return out.logits[0, -1], out.hidden_states
 
 
-@pytest.mark.parametrize("n", [1, 2, 7])
+def _prompts(n):
+    if n <= len(PROMPTS):
+        return PROMPTS[:n]
+    rng = __import__("random").Random(n)
+    letters = "abcdefghijklmnopqrstuvwxyz ,.!"
+    return [PROMPTS[i % len(PROMPTS)][: rng.randint(1, 20)] + "".join(
+        rng.choice(letters) for _ in range(rng.randint(0, 30))) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
 def test_lm_invokes_equal_prompts_alone(lm, lm_parts, n):
-    prompts = PROMPTS[:n]
+    prompts = _prompts(n)
     with torch.no_grad(), lm.trace() as tracer:
         last = nnloom.save([None] * n)
         h1 = nnloom.save([None] * n)
