@@ -16,8 +16,6 @@
 
 #include <structmember.h>
 
-#include <alloca.h>
-
 #include <greenlet/greenlet.h>
 
 #include "../base/pybase.h"
@@ -596,22 +594,6 @@ static int loom__finish(loom_il *il, int32_t med) {
     return -1;
 }
 
-/* A worker's stack lives where its first switch starts it. Greenlet switches
- * copy the part of the C stack two greenlets share; a worker started at the
- * top of a trace would share its region with every frame of the forward
- * below it, and each handoff deep inside the forward would copy those frames
- * out and back. Starting it LOOM__STACK_GAP below the current frame keeps
- * the worker's region clear of the forward's, so a handoff copies only the
- * worker's own few frames. */
-#define LOOM__STACK_GAP (256 * 1024)
-
-static LOOM_NOINLINE PyObject *loom__first_switch(PyObject *g) {
-    volatile char *gap = alloca(LOOM__STACK_GAP);
-    gap[0] = 0;
-    gap[LOOM__STACK_GAP - 1] = 0;
-    return PyGreenlet_Switch((PyGreenlet *)g, NULL, NULL);
-}
-
 /* Switch into mediator `med` and run its user code until it parks or ends.
  * Returns LOOM__RESUMED, LOOM__STOP when the body called stop(), or -1 with the
  * body's exception set. */
@@ -627,9 +609,7 @@ static int loom__resume(loom_il *il, int32_t med) {
     int32_t outer = il->current;
     il->current = med;
     loom_cuda_range_push("nnloom.invoke");
-    PyObject *r = PyGreenlet_STARTED((PyGreenlet *)m->greenlet)
-                      ? PyGreenlet_Switch((PyGreenlet *)m->greenlet, NULL, NULL)
-                      : loom__first_switch(m->greenlet);
+    PyObject *r = PyGreenlet_Switch((PyGreenlet *)m->greenlet, NULL, NULL);
     loom_cuda_range_pop();
     il->current = outer;
     if (r == NULL) {
