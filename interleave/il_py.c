@@ -841,33 +841,41 @@ static const char *loom__sel_name(int sel) {
     return sel == LOOM_SEL_OUTPUT ? ".output" : sel == LOOM_SEL_INPUTS ? ".inputs" : ".input";
 }
 
+/* The common start of request() and assign(): parse (tree, module, sel, ...)
+ * and make the calling body SERVED at that boundary. Returns the interleaver
+ * (the body's mediator in *med, the selector in *sel), or NULL with an
+ * exception set. */
+static loom_il *loom__serve_caller(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                                   int *sel, int32_t *med) {
+    int32_t module;
+    int fresh;
+    if (loom__parse_req(args, nargs, want, &module, sel, &fresh) < 0) return NULL;
+    loom_il *il = loom__caller(args[0], module, loom__sel_name(*sel));
+    if (il == NULL) return NULL;
+    *med = il->current;
+    int32_t kind = *sel == LOOM_SEL_OUTPUT ? LOOM_KIND_OUTPUT : LOOM_KIND_INPUT;
+    if (loom__acquire(il, *med, module, kind, fresh) < 0) return NULL;
+    return il;
+}
+
 /* request(tree, module, sel) -> the live value (narrowed to the invoke). */
 static PyObject *loom_request(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
-    int32_t module;
-    int sel, fresh;
-    if (loom__parse_req(args, nargs, 3, &module, &sel, &fresh) < 0) return NULL;
-    loom_il *il = loom__caller(args[0], module, loom__sel_name(sel));
+    int sel;
+    int32_t med;
+    loom_il *il = loom__serve_caller(args, nargs, 3, &sel, &med);
     if (il == NULL) return NULL;
-    int32_t med = il->current;
-    int32_t kind = sel == LOOM_SEL_OUTPUT ? LOOM_KIND_OUTPUT : LOOM_KIND_INPUT;
-    if (loom__acquire(il, med, module, kind, fresh) < 0) return NULL;
-    loom__med *m = &il->meds[med];
-    return loom__select(m->served, sel);
+    return loom__select(il->meds[med].served, sel);
 }
 
 /* assign(tree, module, sel, value): replace the value for the rest of the
  * forward (spliced into the invoke's rows). */
 static PyObject *loom_assign(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
-    int32_t module;
-    int sel, fresh;
-    if (loom__parse_req(args, nargs, 4, &module, &sel, &fresh) < 0) return NULL;
-    loom_il *il = loom__caller(args[0], module, loom__sel_name(sel));
+    int sel;
+    int32_t med;
+    loom_il *il = loom__serve_caller(args, nargs, 4, &sel, &med);
     if (il == NULL) return NULL;
-    int32_t med = il->current;
-    int32_t kind = sel == LOOM_SEL_OUTPUT ? LOOM_KIND_OUTPUT : LOOM_KIND_INPUT;
-    if (loom__acquire(il, med, module, kind, fresh) < 0) return NULL;
     loom__med *m = &il->meds[med];
     PyObject *v = args[3], *nv = NULL;
     if (sel == LOOM_SEL_OUTPUT) {

@@ -18,6 +18,17 @@ def patched_run(module, x, path, fn):
         h.remove()
 
 
+def pre_patched_run(module, x, path, fn):
+    """Run `module` with a forward pre-hook on `path` that returns fn(args)."""
+    sub = dict(module.named_modules())[path]
+    h = sub.register_forward_pre_hook(lambda m, a: fn(a))
+    try:
+        with torch.no_grad():
+            return module(x)
+    finally:
+        h.remove()
+
+
 def test_inplace_edit(mlp, mlp_model, x16):
     def zero_col(o):
         o = o.clone()
@@ -68,13 +79,7 @@ def test_read_then_write_later_layer(mlp, mlp_model, x16):
 
 
 def test_input_assignment(mlp, mlp_model, x16):
-    sub = mlp.layers[4]
-    h = sub.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
-    try:
-        with torch.no_grad():
-            ref = mlp(x16)
-    finally:
-        h.remove()
+    ref = pre_patched_run(mlp, x16, "layers.4", lambda a: (a[0] + 1,))
     with torch.no_grad(), mlp_model.trace(x16):
         mlp_model.layers[4].input = mlp_model.layers[4].input + 1
         out = mlp_model.output.save()
@@ -82,13 +87,7 @@ def test_input_assignment(mlp, mlp_model, x16):
 
 
 def test_inputs_assignment(mlp, mlp_model, x16):
-    sub = mlp.layers[4]
-    h = sub.register_forward_pre_hook(lambda m, a: (a[0] * 0,))
-    try:
-        with torch.no_grad():
-            ref = mlp(x16)
-    finally:
-        h.remove()
+    ref = pre_patched_run(mlp, x16, "layers.4", lambda a: (a[0] * 0,))
     with torch.no_grad(), mlp_model.trace(x16):
         args, kwargs = mlp_model.layers[4].inputs
         mlp_model.layers[4].inputs = ((args[0] * 0,), kwargs)
