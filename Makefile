@@ -15,7 +15,7 @@ SAN_BUILD ?= build/sanitize
 BUILD_LOG ?= /tmp/nnloom-pip-install.log
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all env env-bench build dev install ctest pytest test demo bench sanitize print-python clean
+.PHONY: all env env-bench build dev install test-pythons ctest pytest test demo bench sanitize print-python clean
 
 all: build
 
@@ -48,6 +48,10 @@ pytest: install
 	@cd tests && $(PY) -m pytest -q -p no:cacheprovider py $(PYTEST_ARGS)
 
 test: ctest pytest
+
+# the interleaving tests on the other CPython 3.10-3.13 this machine has
+test-pythons: env
+	@scripts/test-pythons.sh
 
 sanitize: env
 	@$(CMAKE) -S . -B $(SAN_BUILD) -G Ninja -DPython3_EXECUTABLE=$(PY) -DNNLOOM_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
