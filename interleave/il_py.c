@@ -1063,8 +1063,8 @@ static void loom__abort_all(loom_il *il) {
     PyErr_Restore(et, ev, etb);
 }
 
-/* Drop what the trace held: greenlets, namespaces stay (the caller reads
- * them), served values and references to the forward's greenlet go. */
+/* Drop what only the run needed (workers, served and assigned values, the
+ * forward's greenlet); the namespaces stay: the caller reads the saves. */
 static void loom__release(loom_il *il) {
     for (int32_t i = 0; i < il->n_meds; i++) {
         loom__med *m = &il->meds[i];
@@ -1076,9 +1076,10 @@ static void loom__release(loom_il *il) {
     Py_CLEAR(il->home);
 }
 
-/* il.run(fn, args: tuple, kwargs: dict, result_module=-1) -> fn's result
- * (None when a body
- * stopped the forward). Runs every body interleaved with fn(*args, **kwargs). */
+/* il.run(fn, args: tuple, kwargs: dict, result_module=-1) -> fn's result, or
+ * None when a body stopped the forward. Runs every body interleaved with
+ * fn(*args, **kwargs); `result_module` is the boundary index that serves the
+ * call's result to bodies asking for it (tracer.result). */
 static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
     long result_module = -1;
     if (nargs == 4 && (result_module = PyLong_AsLong(args[3])) == -1 && PyErr_Occurred())
@@ -1164,6 +1165,12 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
             if (loom__run_ready(il) == -1) goto fail;
         }
     }
+    goto exit;
+fail:
+    Py_CLEAR(result);
+exit:
+    /* nothing stays parked, the range closes, the thread's previous trace
+     * (if any) is active again; keeps the pending exception on failure */
     loom__abort_all(il);
     loom_cuda_range_pop();
     il->running = 0;
@@ -1171,15 +1178,6 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
     il->prev = NULL;
     loom__release(il);
     return result;
-fail:
-    Py_CLEAR(result);
-    loom__abort_all(il);
-    loom_cuda_range_pop();
-    il->running = 0;
-    loom__tls_il = il->prev;
-    il->prev = NULL;
-    loom__release(il);
-    return NULL;
 }
 
 /* il.state(i) -> str: the scheduler state of mediator i (for tests). */
