@@ -679,7 +679,8 @@ int loom_il_boundary(loom_il *il, int32_t module, int32_t kind, PyObject **value
          i = loom_sched_next_waiter(s, module, kind, call, i + 1)) {
         loom__med *m = &il->meds[i];
         if (loom_sched_serve(s, i) != LOOM_OK) goto fail_status;
-        m->served = loom__narrow(il, st, i, *value, 0);
+        m->served = loom_sched_is_whole(s, i) ? Py_NewRef(*value)
+                                              : loom__narrow(il, st, i, *value, 0);
         if (m->served == NULL) goto fail;
         PyObject *served = Py_NewRef(m->served); /* what the body was first handed */
         if (loom_cuda_nvtx_enabled()) {

@@ -70,6 +70,9 @@ loom_status loom_sched_set_rows(loom_sched *s, int32_t med, int64_t start, int64
 int64_t loom_sched_batch(const loom_sched *s);
 void loom_sched_set_batch(loom_sched *s, int64_t batch);
 
+/* Whether `med` sees the whole batch (values handed over as they are). */
+bool loom_sched_is_whole(const loom_sched *s, int32_t med);
+
 /* Narrowing rule for one tensor of leading size `dim0` seen by `med`:
  * returns true and the row range [*lo, *lo + *len) when the tensor must be
  * narrowed (dim0 == batch * k, k >= 1, and the group is not the whole batch),

@@ -105,10 +105,15 @@ loom_status loom_sched_set_rows(loom_sched *s, int32_t med, int64_t start, int64
 int64_t loom_sched_batch(const loom_sched *s) { return s->batch; }
 void loom_sched_set_batch(loom_sched *s, int64_t batch) { s->batch = batch; }
 
+bool loom_sched_is_whole(const loom_sched *s, int32_t med) {
+    const loom__med *m = &s->meds[med];
+    return m->size < 0 || (m->start == 0 && m->size == s->batch);
+}
+
 bool loom_sched_rows_for(const loom_sched *s, int32_t med, int64_t dim0, int64_t *lo,
                          int64_t *len) {
     const loom__med *m = &s->meds[med];
-    if (m->size < 0 || (m->start == 0 && m->size == s->batch)) return false;
+    if (loom_sched_is_whole(s, med)) return false;
     if (s->batch <= 0 || dim0 <= 0 || dim0 % s->batch != 0) return false;
     int64_t k = dim0 / s->batch;
     *lo = m->start * k;

@@ -178,10 +178,12 @@ static void test_rows(void **state) {
     loom_sched *s = *state; /* batch of 6 */
     int64_t lo = -1, len = -1;
     /* default: whole batch, never narrowed */
+    assert_true(loom_sched_is_whole(s, 0));
     assert_false(loom_sched_rows_for(s, 0, 6, &lo, &len));
     assert_int_equal(loom_sched_set_rows(s, 0, 0, 6), LOOM_OK);
     assert_false(loom_sched_rows_for(s, 0, 6, &lo, &len));
     assert_int_equal(loom_sched_set_rows(s, 1, 2, 3), LOOM_OK);
+    assert_false(loom_sched_is_whole(s, 1));
     assert_true(loom_sched_rows_for(s, 1, 6, &lo, &len));
     assert_int_equal(lo, 2);
     assert_int_equal(len, 3);
