@@ -44,9 +44,11 @@ def _noop_trace(frame, event, arg):
 # ---------------------------------------------------------------------------
 
 
-class _Skipper:
+class _TraceSkipper:
     """Arms a per-frame trace function that stops the body before its first
-    line runs, and restores whatever tracing (debugger, coverage) was there."""
+    line runs, and restores whatever tracing (debugger, coverage) was there.
+    (CPython 3.10-3.11; on 3.12+ ``sys.settrace`` re-instruments every code
+    object, so ``_MonitorSkipper`` is used there.)"""
 
     __slots__ = ("frame", "prev_global", "prev_local", "first_line", "armed")
 
@@ -76,6 +78,70 @@ class _Skipper:
         self.frame.f_trace = self.prev_local
         sys.settrace(self.prev_global)
         self.prev_global = self.prev_local = None
+
+
+class _MonitorSkipper:
+    """The same with ``sys.monitoring`` (3.12+): LINE events are enabled on
+    the one code object that holds the ``with``, counted per code object so
+    concurrent traces of the same call site do not disarm each other, and the
+    callback raises only in the frame that armed it."""
+
+    __slots__ = ("frame", "first_line", "armed")
+
+    _armed: dict = {}  # code -> {frame: first line of the body}
+
+    def __init__(self, frame, first_line):
+        self.frame = frame
+        self.first_line = first_line
+        self.armed = False
+
+    @staticmethod
+    def _on_line(code, line):
+        frames = _MonitorSkipper._armed.get(code)
+        if frames:
+            f = sys._getframe(1)
+            first = frames.get(f)
+            if first is not None and line >= first:
+                del frames[f]
+                raise _Skip
+        return None
+
+    def arm(self):
+        code = self.frame.f_code
+        frames = self._armed.get(code)
+        if frames is None:
+            frames = self._armed[code] = {}
+        frames[self.frame] = self.first_line
+        if len(frames) == 1:
+            _MON.set_local_events(_TOOL, code, _MON.events.LINE)
+        self.armed = True
+
+    def disarm(self):
+        if not self.armed:
+            return
+        self.armed = False
+        code = self.frame.f_code
+        frames = self._armed.get(code)
+        if frames is None:
+            return
+        frames.pop(self.frame, None)
+        if not frames:
+            del self._armed[code]
+            _MON.set_local_events(_TOOL, code, 0)
+
+
+_MON = getattr(sys, "monitoring", None)
+_TOOL = None
+if _MON is not None and os.environ.get("NNLOOM_SETTRACE", "") in ("", "0"):
+    for _tid in (4, 3):  # 0-2 and 5 are the debugger, coverage, profiler, optimizer ids
+        try:
+            _MON.use_tool_id(_tid, "nnloom")
+        except ValueError:
+            continue
+        _TOOL = _tid
+        _MON.register_callback(_TOOL, _MON.events.LINE, _MonitorSkipper._on_line)
+        break
+_Skipper = _MonitorSkipper if _TOOL is not None else _TraceSkipper
 
 
 def _snapshot(frame) -> dict:
