@@ -167,3 +167,24 @@ def test_envoy_tree(gpt2):
     assert len(gpt2.transformer.h) == 3
     assert "GPT2LMHeadModel" in repr(gpt2)
     assert gpt2.config.n_layer == 3  # non-module attributes come from the module
+
+
+def test_nested_traces(x16):
+    from nnloom.models import mlp
+
+    a = nnloom.NNsight(mlp(depth=3, width=16, seed=1))
+    b = nnloom.NNsight(mlp(depth=3, width=16, seed=2))
+    try:
+        with torch.no_grad(), a.trace(x16):
+            ha = a.layers[0].output.save()
+            with b.trace(x16 * 2):  # another model, its own forward, inside a's body
+                hb = b.layers[1].output.save()
+                inner_only = 5  # passed up to a's body, not saved: not returned
+            hc = a.layers[2].output.save()
+        with torch.no_grad():
+            check_tensor(hb, b.layers[1]._module(torch.relu(b.layers[0]._module(x16 * 2))), "inner")
+            check_tensor(hc, a.layers[2]._module(torch.relu(a.layers[1]._module(torch.relu(ha)))), "outer")
+        assert "inner_only" not in locals()
+    finally:
+        a.unwrap()
+        b.unwrap()
