@@ -726,30 +726,44 @@ fail:
 }
 
 PyObject *loom_il_take_skip(loom_il *il, int32_t module) {
-    PyObject *found = NULL;
-    int32_t n_skip = 0, n_active = 0;
+    int32_t n_skip = 0, whole = -1;
     for (int32_t i = 0; i < il->n_meds; i++) {
         loom__med *m = &il->meds[i];
-        loom_med_state s = loom_sched_state(il->sched, i);
-        if (s == LOOM_MED_WAITING || s == LOOM_MED_RUNNING || s == LOOM_MED_SERVED) n_active++;
-        if (m->skip != NULL && m->skip_module == module) {
-            n_skip++;
-            if (found == NULL) found = Py_NewRef(m->skip);
-            Py_CLEAR(m->skip);
-            m->skip_module = -1;
-        }
+        if (m->skip == NULL || m->skip_module != module) continue;
+        n_skip++;
+        if (loom_sched_is_whole(il->sched, i)) whole = i; /* the last such wins */
     }
-    if (found != NULL && il->n_meds > 1 && n_skip != il->n_meds) {
-        PyObject *path = PyList_GET_ITEM(il->paths, module);
-        Py_DECREF(found);
-        PyErr_Format(PyExc_ValueError,
-                     "module '%U' was skipped by %d of %d invokes; in a batched trace every "
-                     "invoke must skip it (or none)",
-                     path, (int)n_skip, (int)il->n_meds);
-        return NULL;
+    if (n_skip == 0) return NULL;
+    PyObject *found = NULL;
+    if (whole >= 0) {
+        /* an invoke that sees the whole batch gave the whole output */
+        found = Py_NewRef(il->meds[whole].skip);
+    } else if (n_skip == il->n_meds) {
+        /* every invoke gave its rows: join them in row order (invokes are in
+         * row order: the batcher lays their inputs out that way) */
+        PyObject *parts = PyList_New(0), *cat = NULL, *torch = NULL;
+        for (int32_t i = 0; parts != NULL && i < il->n_meds; i++)
+            if (PyList_Append(parts, il->meds[i].skip) < 0) Py_CLEAR(parts);
+        if (parts != NULL && (torch = PyImport_ImportModule("torch")) != NULL &&
+            (cat = PyObject_GetAttrString(torch, "cat")) != NULL)
+            found = PyObject_CallOneArg(cat, parts);
+        Py_XDECREF(cat);
+        Py_XDECREF(torch);
+        Py_XDECREF(parts);
     }
-    (void)n_active;
-    return found;
+    int ok = found != NULL;
+    for (int32_t i = 0; i < il->n_meds; i++) {
+        if (il->meds[i].skip_module != module) continue;
+        Py_CLEAR(il->meds[i].skip);
+        il->meds[i].skip_module = -1;
+    }
+    if (ok) return found;
+    if (PyErr_Occurred()) return NULL;
+    PyErr_Format(PyExc_ValueError,
+                 "module '%U' was skipped by %d of %d invokes; in a batched trace every "
+                 "invoke must skip it (or none)",
+                 PyList_GET_ITEM(il->paths, module), (int)n_skip, (int)il->n_meds);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------------ */

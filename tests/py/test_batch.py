@@ -303,3 +303,27 @@ def test_lm_single_trace_input(lm, lm_parts):
 def test_lm_needs_tokenizer(lm_parts):
     with pytest.raises(ValueError, match="tokenizer"):
         nnloom.LanguageModel(lm_parts[0])
+
+
+def test_skip_in_every_invoke_joins_their_rows(batched_mlp):
+    xs = _xs(3)
+    with torch.no_grad(), batched_mlp.trace() as tracer:
+        seen = nnloom.save([None] * 3)
+        for i, x in enumerate(xs):
+            with tracer.invoke(x):
+                batched_mlp.layers[3].skip(torch.full((2, 16), float(i + 1)))
+                seen[i] = batched_mlp.layers[4].input
+    for i in range(3):
+        assert torch.equal(seen[i], torch.full((2, 16), float(i + 1)))  # relu(i + 1)
+
+
+def test_skip_by_the_empty_invoke_covers_the_batch(batched_mlp):
+    xs = _xs(2)
+    with torch.no_grad(), batched_mlp.trace() as tracer:
+        seen = nnloom.save([None] * 2)
+        for i, x in enumerate(xs):
+            with tracer.invoke(x):
+                seen[i] = batched_mlp.layers[4].input
+        with tracer.invoke():
+            batched_mlp.layers[3].skip(torch.ones(4, 16))
+    assert all(torch.equal(s, torch.ones(2, 16)) for s in seen)
