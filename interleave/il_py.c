@@ -64,6 +64,9 @@ struct loom_il {
     int aborting;         /* tearing mediators down */
     int stopped;          /* a body called stop() */
     int32_t n_ready;      /* mediators a barrier released, not yet resumed */
+    PyObject *tile;       /* list[int]: row-group sizes when the groups tile the batch in order, else NULL */
+    int32_t *tile_pos;    /* [cap] mediator -> its index in `tile`, -1 if it has no rows */
+    PyObject *splits;     /* dict id(tensor) -> (tensor, its views by group), this boundary only */
     PyObject *weakreflist;
 };
 
@@ -139,6 +142,8 @@ static void loom__med_clear(loom__med *m) {
 
 static int il_traverse(loom_il *il, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(il));
+    Py_VISIT(il->tile);
+    Py_VISIT(il->splits);
     Py_VISIT(il->tree);
     Py_VISIT(il->paths);
     Py_VISIT(il->home);
@@ -159,6 +164,8 @@ static int il_traverse(loom_il *il, visitproc visit, void *arg) {
 }
 
 static int il_clear(loom_il *il) {
+    Py_CLEAR(il->tile);
+    Py_CLEAR(il->splits);
     Py_CLEAR(il->tree);
     Py_CLEAR(il->paths);
     Py_CLEAR(il->home);
@@ -173,6 +180,7 @@ static void il_dealloc(loom_il *il) {
     il_clear(il);
     loom_sched_destroy(il->sched);
     PyMem_Free(il->meds);
+    PyMem_Free(il->tile_pos);
     tp->tp_free((PyObject *)il);
     Py_DECREF(tp);
 }
@@ -273,6 +281,48 @@ static PyObject *loom__narrow_tensor(loom_modstate *st, PyObject *t, int64_t lo,
     return r;
 }
 
+/* New reference: med's rows of tensor `t` (leading size `d0` = k * batch),
+ * taken from one split of `t` into every invoke's rows, made once per tensor
+ * per boundary. When many invokes wait on one boundary this is one torch
+ * call instead of one narrow each. Only used with autograd off (see
+ * loom__boundary_splits): split gives multi-output views, which autograd
+ * would not let a body edit in place. */
+static PyObject *loom__split_view(loom_il *il, PyObject *t, Py_ssize_t d0, int32_t med) {
+    PyObject *key = PyLong_FromVoidPtr(t);
+    if (key == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(il->splits, key); /* borrowed */
+    if (entry == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        Py_ssize_t k = d0 / loom_sched_batch(il->sched), n = PyList_GET_SIZE(il->tile);
+        PyObject *sizes = PyList_New(n);
+        if (sizes == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *sz = PyLong_FromSsize_t(PyLong_AsSsize_t(PyList_GET_ITEM(il->tile, i)) * k);
+            if (sz == NULL) {
+                Py_DECREF(sizes);
+                goto fail;
+            }
+            PyList_SET_ITEM(sizes, i, sz);
+        }
+        PyObject *parts = PyObject_CallMethod(t, "split", "O", sizes);
+        Py_DECREF(sizes);
+        if (parts == NULL) goto fail;
+        entry = PyTuple_Pack(2, t, parts); /* the tensor stays alive: its id stays its own */
+        Py_DECREF(parts);
+        if (entry == NULL || PyDict_SetItem(il->splits, key, entry) < 0) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry); /* the dict holds it */
+    }
+    Py_DECREF(key);
+    PyObject *parts = PyTuple_GET_ITEM(entry, 1);
+    return PySequence_GetItem(parts, il->tile_pos[med]);
+fail:
+    Py_DECREF(key);
+    return NULL;
+}
+
 static int loom__is_namedtuple(PyObject *v) {
     return PyTuple_Check(v) && !PyTuple_CheckExact(v) &&
            PyObject_HasAttrString((PyObject *)Py_TYPE(v), "_fields");
@@ -289,6 +339,7 @@ static PyObject *loom__narrow(loom_il *il, loom_modstate *st, int32_t med, PyObj
         if (d0 == -2) return NULL;
         int64_t lo, len;
         if (d0 < 0 || !loom_sched_rows_for(il->sched, med, d0, &lo, &len)) return Py_NewRef(v);
+        if (il->splits != NULL && il->tile_pos[med] >= 0) return loom__split_view(il, v, d0, med);
         return loom__narrow_tensor(st, v, lo, len);
     }
     if (PyTuple_Check(v) || PyList_Check(v)) {
@@ -671,10 +722,36 @@ static int loom__park(loom_il *il, int32_t med) {
     return 0;
 }
 
+/* Whether this boundary may hand out rows from one split per tensor: the
+ * row groups tile the batch, several invokes wait here, and autograd is off
+ * (torch.is_grad_enabled() is False). */
+static int loom__boundary_splits(loom_il *il, int32_t module, int32_t kind, int32_t call) {
+    if (il->tile == NULL) return 0;
+    int32_t first = loom_sched_next_waiter(il->sched, module, kind, call, 0);
+    if (first < 0 || loom_sched_next_waiter(il->sched, module, kind, call, first + 1) < 0)
+        return 0;
+    PyObject *torch = PyImport_AddModule("torch"); /* borrowed; imported at init */
+    PyObject *on = torch ? PyObject_CallMethod(torch, "is_grad_enabled", NULL) : NULL;
+    if (on == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int grad = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    if (grad != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    il->splits = PyDict_New();
+    if (il->splits == NULL) PyErr_Clear();
+    return il->splits != NULL;
+}
+
 int loom_il_boundary(loom_il *il, int32_t module, int32_t kind, PyObject **value) {
     loom_sched *s = il->sched;
     loom_modstate *st = loom_state_of((PyObject *)il);
     int32_t call = loom_sched_begin(s, module, kind);
+    loom__boundary_splits(il, module, kind, call);
     for (int32_t i = loom_sched_next_waiter(s, module, kind, call, 0); i >= 0;
          i = loom_sched_next_waiter(s, module, kind, call, i + 1)) {
         loom__med *m = &il->meds[i];
@@ -715,11 +792,13 @@ int loom_il_boundary(loom_il *il, int32_t module, int32_t kind, PyObject **value
         }
         if (ran > 0) i = -1; /* rescan: next_waiter(i + 1) starts at 0 */
     }
+    Py_CLEAR(il->splits);
     loom_sched_end(s, module, kind);
     return 0;
 fail_status:
     loom_raise(st, LOOM_ERR_STATE);
 fail:
+    Py_CLEAR(il->splits);
     loom_sched_end(s, module, kind);
     Py_CLEAR(*value);
     return -1;
@@ -1091,6 +1170,36 @@ static void loom__release(loom_il *il) {
     Py_CLEAR(il->home);
 }
 
+/* When the invokes' row groups, in invoke order, tile [0, batch) (the
+ * batcher's layout), record their sizes and each invoke's place for
+ * loom__split_view. 0, or -1 with an exception set. */
+static int loom__tile(loom_il *il) {
+    Py_CLEAR(il->tile);
+    PyMem_Free(il->tile_pos);
+    il->tile_pos = PyMem_Calloc((size_t)(il->n_meds ? il->n_meds : 1), sizeof(int32_t));
+    if (il->tile_pos == NULL) return PyErr_NoMemory(), -1;
+    for (int32_t i = 0; i < il->n_meds; i++) il->tile_pos[i] = -1;
+    int64_t next = 0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < il->n_meds; i++) {
+        loom__med *m = &il->meds[i];
+        if (m->start < 0) continue;
+        if (m->start != next || m->size <= 0) return 0; /* not a tiling: narrow one by one */
+        next += m->size;
+        il->tile_pos[i] = n++;
+    }
+    if (n < 2 || next != loom_sched_batch(il->sched)) return 0;
+    il->tile = PyList_New(n);
+    if (il->tile == NULL) return -1;
+    for (int32_t i = 0; i < il->n_meds; i++) {
+        if (il->tile_pos[i] < 0) continue;
+        PyObject *sz = PyLong_FromLongLong(il->meds[i].size);
+        if (sz == NULL) return -1;
+        PyList_SET_ITEM(il->tile, il->tile_pos[i], sz);
+    }
+    return 0;
+}
+
 /* il.run(fn, args: tuple, kwargs: dict, result_module=-1) -> fn's result, or
  * None when a body stopped the forward. Runs every body interleaved with
  * fn(*args, **kwargs); `result_module` is the boundary index that serves the
@@ -1124,6 +1233,7 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
         if (m->start >= 0 && (rc = loom_sched_set_rows(s, i, m->start, m->size)) != LOOM_OK)
             return loom_raise(st, rc);
     }
+    if (loom__tile(il) < 0) return NULL;
 
     il->home = (PyObject *)PyGreenlet_GetCurrent();
     if (il->home == NULL) return NULL;

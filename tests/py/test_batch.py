@@ -327,3 +327,24 @@ def test_skip_by_the_empty_invoke_covers_the_batch(batched_mlp):
         with tracer.invoke():
             batched_mlp.layers[3].skip(torch.ones(4, 16))
     assert all(torch.equal(s, torch.ones(2, 16)) for s in seen)
+
+
+def test_rows_from_one_split_equal_narrowed_rows(batched_mlp):
+    """With autograd off, rows of a boundary many invokes wait on come from one
+    split; with it on, from one narrow each (their views can be edited in
+    place under autograd). Both give the same rows and the same edits."""
+    xs = _xs(4)
+    results = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), batched_mlp.trace() as tracer:
+            got = nnloom.save([None] * 4)
+            for i, x in enumerate(xs):
+                with tracer.invoke(x):
+                    h = batched_mlp.layers[2].output
+                    h[:, 0] = float(i)  # in place, own rows only
+                    got[i] = batched_mlp.layers[5].output
+        results.append([g.detach() for g in got])
+        if grad:
+            assert got[0].requires_grad  # still part of the graph
+    for a, b in zip(*results):
+        check_tensor(a, b, "split vs narrow", atol=1e-6, rtol=1e-5)
