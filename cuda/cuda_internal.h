@@ -86,14 +86,8 @@ loom_status loom_cuda__copy_stream(int device, void **stream);
 loom_status loom_cuda__launch_gather(int device, const void *src, void *dst,
                                      const loom_cuda_copy_plan *plan, void *stream);
 
-/* The gather kernel's argument block (same layout in gather.cu). */
-typedef struct {
-    int64_t shape[LOOM_CUDA_MAX_DIMS];    /* collapsed, outermost first */
-    int64_t stride_b[LOOM_CUDA_MAX_DIMS]; /* bytes */
-    int64_t n_elems;
-    int32_t ndim;
-    int32_t itemsize;
-} loom_cuda__gather_args;
+/* The gather kernel's argument block. */
+#include "gather_args.h"
 
 /* The embedded fatbin (generated at build time when nvcc is found). */
 extern const unsigned char loom_cuda__gather_fatbin[];

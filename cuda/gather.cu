@@ -2,19 +2,9 @@
  * buffer, one element per thread (grid-stride), for rows too narrow or too
  * scattered for a 2-D copy. Built by nvcc into a fatbin embedded in
  * nnloom._C and launched through the driver API (cuda/rt.c): the argument
- * block matches loom_cuda__gather_args in cuda/cuda_internal.h.
+ * block is loom_cuda__gather_args (cuda/gather_args.h).
  */
-#include <stdint.h>
-
-#define LOOM_CUDA_MAX_DIMS 8
-
-struct loom_gather_args {
-    int64_t shape[LOOM_CUDA_MAX_DIMS];    /* collapsed, outermost first */
-    int64_t stride_b[LOOM_CUDA_MAX_DIMS]; /* bytes */
-    int64_t n_elems;
-    int32_t ndim;
-    int32_t itemsize;
-};
+#include "gather_args.h"
 
 template <typename T>
 __device__ __forceinline__ void move(const char *src, char *dst, int64_t soff, int64_t i) {
@@ -24,7 +14,7 @@ __device__ __forceinline__ void move(const char *src, char *dst, int64_t soff, i
 
 extern "C" __global__ void loom_cuda_gather_kernel(const char *__restrict__ src,
                                                    char *__restrict__ dst,
-                                                   const loom_gather_args a) {
+                                                   const loom_cuda__gather_args a) {
     const int64_t step = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.n_elems; i += step) {
         int64_t rem = i, soff = 0;
