@@ -411,25 +411,6 @@ def loads(data, *, allow=()):
 # Merging per-request saves
 # ---------------------------------------------------------------------------
 
-_SLOTTED = (list, tuple)
-
-
-def _merge(early, late):
-    """One value from two requests' copies of it, the later winning conflicts."""
-    if type(early) is type(late) and type(late) in _SLOTTED and len(early) == len(late):
-        out = [
-            a if b is None else b if a is None else _merge(a, b)
-            for a, b in zip(early, late)
-        ]
-        return out if type(late) is list else tuple(out)
-    if type(early) is type(late) and type(late) in (dict, collections.OrderedDict):
-        out = type(late)(early)
-        for key, b in late.items():
-            out[key] = _merge(out[key], b) if key in out else b
-        return out
-    return late
-
-
 def merge_shared_saves(mediators, per_request_saves):
     """Merge same-name saves across the requests of one multi-invoke trace.
 

@@ -120,7 +120,6 @@ def test_merge_all_equals_pairwise_fold():
     import random
 
     from nnloom import _C
-    from nnloom.collect import _merge
 
     rng = random.Random(7)
 
@@ -151,3 +150,19 @@ def _mutate(v, rng):
     if isinstance(v, dict):
         return {k: _mutate(x, rng) for k, x in v.items() if rng.random() < 0.7}
     return rng.choice([v, None, 9])
+
+
+def _merge(early, late):
+    """The merge rule of reference/collect.md written plainly: one value from
+    two requests' copies, the later winning conflicts (the oracle for merge_all)."""
+    import collections
+
+    if type(early) is type(late) and type(late) in (list, tuple) and len(early) == len(late):
+        out = [a if b is None else b if a is None else _merge(a, b) for a, b in zip(early, late)]
+        return out if type(late) is list else tuple(out)
+    if type(early) is type(late) and type(late) in (dict, collections.OrderedDict):
+        out = type(late)(early)
+        for key, b in late.items():
+            out[key] = _merge(out[key], b) if key in out else b
+        return out
+    return late
