@@ -51,7 +51,8 @@ typedef struct {
 
 struct loom_il {
     PyObject_HEAD
-    loom_sched *sched;    /* bookkeeping, owned */
+    loom_sched *sched;    /* bookkeeping, owned; built by run() with the final mediator count */
+    int64_t batch;        /* rows of the combined batch */
     PyObject *tree;       /* opaque token of the wrapped tree (strong) */
     PyObject *paths;      /* list[str]: module path by index (strong) */
     PyObject *home;       /* greenlet that runs the forward, during run() */
@@ -198,11 +199,7 @@ static PyObject *il_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     il->current = -1;
     il->tree = Py_NewRef(tree);
     il->paths = Py_NewRef(paths);
-    loom_status s = loom_sched_create((int32_t)PyList_GET_SIZE(paths), 0, batch, &il->sched);
-    if (s != LOOM_OK) {
-        Py_DECREF(il);
-        return loom_raise((loom_modstate *)PyType_GetModuleState(type), s);
-    }
+    il->batch = batch;
     return (PyObject *)il;
 }
 
@@ -293,7 +290,7 @@ static PyObject *loom__split_view(loom_il *il, PyObject *t, Py_ssize_t d0, int32
     PyObject *entry = PyDict_GetItemWithError(il->splits, key); /* borrowed */
     if (entry == NULL) {
         if (PyErr_Occurred()) goto fail;
-        Py_ssize_t k = d0 / loom_sched_batch(il->sched), n = PyList_GET_SIZE(il->tile);
+        Py_ssize_t k = d0 / il->batch, n = PyList_GET_SIZE(il->tile);
         PyObject *sizes = PyList_New(n);
         if (sizes == NULL) goto fail;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -1188,7 +1185,7 @@ static int loom__tile(loom_il *il) {
         next += m->size;
         il->tile_pos[i] = n++;
     }
-    if (n < 2 || next != loom_sched_batch(il->sched)) return 0;
+    if (n < 2 || next != il->batch) return 0;
     il->tile = PyList_New(n);
     if (il->tile == NULL) return -1;
     for (int32_t i = 0; i < il->n_meds; i++) {
@@ -1214,19 +1211,18 @@ static PyObject *il_run(loom_il *il, PyObject *const *args, Py_ssize_t nargs) {
                         "run(fn, args: tuple, kwargs: dict, result_module: int = -1)");
         return NULL;
     }
-    if (il->running || il->home != NULL) {
+    if (il->running || il->sched != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "an Interleaver runs once");
         return NULL;
     }
     loom_modstate *st = loom_state_of((PyObject *)il);
     PyObject *result = NULL;
 
-    /* the scheduler needs the final mediator count */
+    /* the scheduler, now that the mediator count is final */
     loom_sched *s = NULL;
     loom_status rc = loom_sched_create((int32_t)PyList_GET_SIZE(il->paths), il->n_meds,
-                                       loom_sched_batch(il->sched), &s);
+                                       il->batch, &s);
     if (rc != LOOM_OK) return loom_raise(st, rc);
-    loom_sched_destroy(il->sched);
     il->sched = s;
     for (int32_t i = 0; i < il->n_meds; i++) {
         loom__med *m = &il->meds[i];
@@ -1309,6 +1305,7 @@ exit:
 static PyObject *il_state(loom_il *il, PyObject *arg) {
     long i = PyLong_AsLong(arg);
     if (i == -1 && PyErr_Occurred()) return NULL;
+    if (il->sched == NULL) return PyUnicode_FromString("new");
     if (i < 0 || i >= il->n_meds) {
         PyErr_SetString(PyExc_IndexError, "mediator index out of range");
         return NULL;
